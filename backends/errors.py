@@ -1,0 +1,25 @@
+"""Errors a user sees from the device layer. Each names the problem and the fix."""
+
+from __future__ import annotations
+
+
+class XShardError(Exception):
+    """Base of xshard's user-facing errors (the CLI prints the message and exits non-zero)."""
+
+    exit_code = 2
+
+
+class UnknownBackendError(XShardError, ValueError):
+    """XSHARD_BACKEND or backend= names no known backend."""
+
+
+class BackendUnavailableError(XShardError, RuntimeError):
+    """A backend was asked for explicitly but cannot run here (missing package, driver or device)."""
+
+
+class BackendConflictError(XShardError, ValueError):
+    """The backend= argument in code contradicts XSHARD_BACKEND in the environment."""
+
+
+class WorldSizeError(XShardError, RuntimeError):
+    """The job has more processes than the backend can run (MPS: one)."""

@@ -1,0 +1,84 @@
+"""Run a function in N real processes on gloo, the way torchrun would start them.
+
+``run_workers(fn, world_size, *args)`` starts ``world_size`` spawned processes with torchrun's
+environment contract (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
+and returns each rank's return value, in rank order. A worker's exception fails the caller with
+that worker's traceback; a hung job fails after ``timeout`` seconds instead of hanging the suite.
+``fn`` must be a module-level function (it is pickled by reference).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, env: dict, args: tuple) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    out = Path(outdir) / f"rank{rank}.pt"
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, out)
+    except BaseException:  # report everything, including SystemExit, to the parent
+        torch.save({"ok": False, "error": traceback.format_exc()}, out)
+        raise
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240, env: dict[str, str] | None = None
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the results by rank."""
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.start_processes(
+            _entry, args=(fn, world_size, free_port(), outdir, dict(env or {}), args),
+            nprocs=world_size, join=False, start_method="spawn",
+        )
+        import time
+
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout}s")
+        except mp.ProcessRaisedException:
+            pass  # the worker's own traceback is in its result file; report that below
+        except mp.ProcessExitedException:
+            pass
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results = []
+        for rank in range(world_size):
+            path = Path(outdir) / f"rank{rank}.pt"
+            if not path.exists():
+                raise RuntimeError(f"rank {rank} of {fn.__name__} died without a result")
+            payload = torch.load(path, weights_only=False)
+            if not payload["ok"]:
+                raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{payload['error']}")
+            results.append(payload["result"])
+        return results

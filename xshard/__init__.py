@@ -1,0 +1,35 @@
+"""xshard: one PyTorch training script on CUDA, TPU, Ascend NPU, MPS or CPU, sharded (ZeRO 0-3).
+
+The device layer lives in the top-level ``backends/`` folder and installs as ``xshard.backends``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+__version__ = "0.1.0"
+
+
+def _bind_backends_from_source_tree() -> None:
+    """Make ``import xshard.backends`` work from a source checkout that is not installed.
+
+    An installed wheel or an editable install maps ``backends/`` to ``xshard.backends`` (see
+    pyproject.toml). Running from the repository root without installing, Python finds
+    ``xshard/`` but not ``xshard/backends``; bind the sibling folder under the right name instead.
+    """
+    if importlib.util.find_spec(f"{__name__}.backends") is not None:
+        return
+    folder = Path(__file__).resolve().parent.parent / "backends"
+    spec = importlib.util.spec_from_file_location(
+        f"{__name__}.backends", folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+
+
+_bind_backends_from_source_tree()

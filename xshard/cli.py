@@ -1,0 +1,66 @@
+"""The `xshard` command: `xshard launch | env | config | estimate | consolidate`.
+
+Each subcommand lives in ``xshard/commands/<name>.py`` with ``add_arguments(parser)`` and
+``run(args) -> int``; it is imported only when used, so `xshard env` stays fast and a broken
+optional dependency of one command cannot break the others. Errors meant for users
+(``XShardError``) print one clear line and exit non-zero, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+COMMANDS: dict[str, str] = {
+    "env": "show the backend xshard picks and why, devices, versions (--check runs a self-test)",
+    "launch": "start a training script on N processes / nodes on any backend",
+    "config": "write a documented xshard config file",
+    "estimate": "estimate per-device memory for a model, world size and stage",
+    "consolidate": "turn a sharded checkpoint into one state dict or a Hugging Face folder",
+}
+
+
+def _available() -> dict[str, str]:
+    return {n: h for n, h in COMMANDS.items() if importlib.util.find_spec(f"xshard.commands.{n}") is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xshard", description="xshard: one training script, any accelerator.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in _available().items():
+        module = importlib.import_module(f"xshard.commands.{name}")
+        sp = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
+        module.add_arguments(sp)
+        sp.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `xshard` console script and `python -m xshard`."""
+    from xshard.backends.errors import XShardError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `launch` passes everything after the script through untouched: parse it without building
+    # the other subcommands first (some import heavy optional packages).
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 2
+    if rest and args.command != "launch":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest:
+        args.script_args = [*getattr(args, "script_args", []), *rest]
+    try:
+        return int(args._run(args) or 0)
+    except XShardError as exc:
+        print(f"xshard {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
