@@ -1,0 +1,408 @@
+"""`XShardConfig`: one validated configuration, read from the files users already have.
+
+Load it with ``XShardConfig.load(source, overrides=None, env=os.environ, script_args=None)``:
+
+- ``source``: None (then ``$XSHARD_CONFIG`` names the file, if set), a path to a YAML or JSON file,
+  a dict, or an `XShardConfig`. The file's kind is detected from its content:
+
+  * xshard's own format (the keys are the field names below; ``xshard config`` writes one),
+  * a DeepSpeed ``ds_config.json`` (see `xshard.config_deepspeed`; ``"auto"`` values are filled from
+    ``script_args`` as the HF Trainer does, see `xshard.config_auto`),
+  * an accelerate config yaml (``distributed_type: FSDP`` + ``fsdp_config``; see `xshard.config_fsdp`),
+  * an HF Trainer ``fsdp_config`` json (for the ``--fsdp`` words use `XShardConfig.from_hf_fsdp`).
+
+- Precedence, highest first: keyword ``overrides`` > ``XSHARD_*`` environment variables (one per field:
+  ``XSHARD_STAGE=2``, ``XSHARD_MIXED_PRECISION=bf16``, ``XSHARD_TRANSFORMER_LAYER_CLS_TO_WRAP=A,B``,
+  ``XSHARD_OPTIMIZER='{"type": "AdamW", "params": {"lr": 1e-5}}'``...) > the config file > defaults.
+
+Keys a file sets that have no effect in xshard are named in ONE `XShardConfigWarning` per load. Invalid
+values, malformed files and contradictory keys raise `XShardConfigError`, naming the key path, the
+value and the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from xshard.config_auto import ScriptArgs, resolve_auto
+from xshard.config_deepspeed import MARKERS as DS_MARKERS
+from xshard.config_deepspeed import read_deepspeed
+from xshard.config_fsdp import ACCELERATE_MARKERS, PREFETCH, STATE_DICT, WRAP, read_accelerate, read_hf_fsdp
+from xshard.config_values import (
+    Reading,
+    XShardConfigError,
+    XShardConfigWarning,
+    fail,
+    is_auto,
+    parse_bool,
+    parse_choice,
+    parse_dtype,
+    parse_float,
+    parse_int,
+    parse_names,
+    parse_section,
+    parse_stage,
+)
+
+__all__ = ["XShardConfig", "XShardConfigError", "XShardConfigWarning"]
+
+ENV_PREFIX = "XSHARD_"
+ALIASES = {"xla_fsdp_grad_ckpt": "activation_checkpointing"}
+PRECISION = {"no": "no", "fp32": "no", "float32": "no", "bf16": "bf16", "bfloat16": "bf16",
+             "fp16": "fp16", "float16": "fp16"}
+BACKENDS = {name: name for name in ("auto", "cpu", "cuda", "npu", "mps", "xla")}
+LOG_LEVELS = {name: name for name in ("debug", "info", "warning", "error", "critical")}
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class XShardConfig:
+    """How xshard shards, casts, offloads and steps a training run (validated on construction)."""
+
+    stage: int = _opt(3, "ZeRO stage: 0 replicate (DDP), 1 + optimizer state sharded, 2 + gradients sharded "
+                         "(SHARD_GRAD_OP), 3 + parameters sharded (FULL_SHARD). FSDP names accepted.")
+    auto_wrap_policy: str = _opt("transformer", "how the model splits into units gathered one at a time: "
+                                                "transformer (by block class), size (by min_num_params), none")
+    transformer_layer_cls_to_wrap: list[str] | None = _opt(
+        None, "block class names for 'transformer' (null: the model's _no_split_modules)")
+    min_num_params: int = _opt(100_000_000, "parameters per unit for the 'size' policy")
+    backward_prefetch: str = _opt("pre", "gather the next unit in backward: pre (before this unit's "
+                                         "gradients), post (after), none")
+    forward_prefetch: bool = _opt(False, "gather the next unit before this unit's forward runs")
+    max_inflight_all_gathers: int = _opt(2, "units gathered at once (current + prefetched)")
+    mixed_precision: str = _opt("no", "compute dtype: no (fp32), bf16 or fp16; master weights stay fp32")
+    reduce_dtype: str | None = _opt(None, "gradient reduce dtype: fp32, bf16, fp16 (null: the compute dtype)")
+    keep_norms_fp32: bool = _opt(False, "norm layers compute in fp32 under mixed precision")
+    offload_params: bool = _opt(False, "keep parameter and gradient shards in host memory")
+    offload_optimizer: bool = _opt(False, "keep optimizer state in host memory (the optimizer steps on the CPU)")
+    activation_checkpointing: bool = _opt(False, "recompute each unit's activations in backward "
+                                                 "(alias: xla_fsdp_grad_ckpt)")
+    state_dict_type: str = _opt("full", "checkpoints: full (one state dict), sharded (one file per rank), local")
+    sync_module_states: bool = _opt(False, "broadcast rank 0's parameters and buffers before sharding")
+    bucket_size_mb: float = _opt(25.0, "all-reduce bucket size at stage 0, in MiB")
+    gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step")
+    gradient_clipping: float | None = _opt(None, "max global gradient norm (null or 0: no clipping)")
+    train_micro_batch_size_per_gpu: int | None = _opt(None, "samples per device per micro-batch")
+    train_batch_size: int | None = _opt(None, "samples per optimizer step over all devices "
+                                              "(checked: micro x accumulation x world size)")
+    optimizer: dict[str, Any] | None = _opt(None, 'optimizer for the script: {type: AdamW, params: {lr: ...}}')
+    scheduler: dict[str, Any] | None = _opt(None, "scheduler for the script: {type: WarmupDecayLR, params: ...}")
+    backend: str = _opt("auto", "hardware: auto, cpu, cuda, npu, mps, xla")
+    devices: int | None = _opt(None, "processes per node (null: one per visible device)")
+    num_nodes: int = _opt(1, "number of nodes")
+    seed: int | None = _opt(None, "random seed for every process (null: do not seed)")
+    log_level: str = _opt("info", "debug, info, warning, error or critical")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, _normalise(f.name, getattr(self, f.name)))
+        self._check_consistency()
+
+    def _check_consistency(self) -> None:
+        if self.stage == 0 and (self.offload_params or self.offload_optimizer):
+            raise XShardConfigError(
+                "offload_params/offload_optimizer need stage 1, 2 or 3 (there is no shard to offload at "
+                "stage 0); raise stage or turn offload off", ("stage", "offload_params", "offload_optimizer"))
+        if self.devices is not None and self.train_batch_size is not None and self.train_micro_batch_size_per_gpu:
+            world = self.devices * self.num_nodes
+            expected = self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * world
+            if self.train_batch_size != expected:
+                raise XShardConfigError(
+                    f"train_batch_size={self.train_batch_size} != train_micro_batch_size_per_gpu="
+                    f"{self.train_micro_batch_size_per_gpu} x gradient_accumulation_steps="
+                    f"{self.gradient_accumulation_steps} x world size {world} (= {expected}); fix one of them",
+                    ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                     "devices"))
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def load(cls, source: str | os.PathLike | Mapping[str, Any] | XShardConfig | None = None,
+             overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+             script_args: Any = None) -> XShardConfig:
+        """Build a config from ``source`` + ``XSHARD_*`` env + ``overrides`` (see the module docstring)."""
+        env = os.environ if env is None else env
+        if source is None and env.get(ENV_PREFIX + "CONFIG"):
+            source = env[ENV_PREFIX + "CONFIG"]
+        if source is None:
+            reading = Reading("defaults")
+        elif isinstance(source, XShardConfig):
+            reading = Reading("config object")
+            for name, value in source.to_dict().items():
+                reading.set(name, value, name)
+        elif isinstance(source, Mapping):
+            reading = read_mapping(source, "config dict", script_args, env, Path.cwd())
+        elif isinstance(source, (str, os.PathLike)):
+            reading = read_file(source, script_args, env)
+        else:
+            raise fail("source", source, "None, a file path, a dict or an XShardConfig")
+        return cls._build(reading, overrides, env)
+
+    @classmethod
+    def from_hf_fsdp(cls, fsdp: str | list[str] | bool, fsdp_config: Mapping[str, Any] | str | None = None,
+                     overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+                     ) -> XShardConfig:
+        """From the HF Trainer's ``--fsdp "full_shard auto_wrap offload"`` and its ``fsdp_config``."""
+        source = "fsdp_config"
+        if isinstance(fsdp_config, (str, os.PathLike)):
+            source = str(fsdp_config)
+            fsdp_config = parse_text(_read_bytes(fsdp_config), source)
+        reading = _guard(source, lambda: read_hf_fsdp(fsdp, fsdp_config, Reading(source)))
+        return cls._build(reading, overrides, os.environ if env is None else env)
+
+    @classmethod
+    def _build(cls, reading: Reading, overrides: Mapping[str, Any] | None, env: Mapping[str, str]) -> XShardConfig:
+        values, origin = dict(reading.values), {k: f"{v} in {reading.source}" for k, v in reading.origin.items()}
+        for name, value in env_values(env).items():
+            values[name], origin[name] = value, ENV_PREFIX + name.upper()
+        if overrides is not None:
+            if not isinstance(overrides, Mapping):
+                raise fail("overrides", overrides, "a mapping of field names to values")
+            for key, value in overrides.items():
+                name = field_name(key, "overrides")
+                values[name], origin[name] = value, f"overrides[{key!r}]"
+        try:
+            config = cls(**values)
+        except XShardConfigError as exc:
+            where = [f"{name} from {origin[name]}" for name in exc.fields if name in origin]
+            if not where:
+                raise
+            raise XShardConfigError(f"{exc} [set by: {'; '.join(where)}]", exc.fields) from None
+        if reading.ignored:  # one warning, after the config proved valid
+            warnings.warn(
+                f"{reading.source}: these keys have no effect in xshard and are ignored: "
+                f"{', '.join(reading.ignored)}", XShardConfigWarning, stacklevel=3)
+        return config
+
+    # ------------------------------------------------------------------ output
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, as plain data (what the xshard YAML format holds)."""
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        """A documented YAML file (a comment per key) that `load` reads back to this config."""
+        from xshard.config_yaml import render_yaml
+
+        return render_yaml(self)
+
+    def to_sharding_options(self) -> Any:
+        """The sharded core's `xshard.sharding.ShardingOptions` for this config."""
+        import torch
+
+        from xshard.sharding import ShardingOptions
+
+        def dtype(name: str | None) -> torch.dtype | None:
+            return None if name is None else getattr(torch, _TORCH_DTYPES[name])
+
+        return ShardingOptions(
+            stage=self.stage, auto_wrap_policy=self.auto_wrap_policy,
+            transformer_layer_cls_to_wrap=list(self.transformer_layer_cls_to_wrap or []) or None,
+            min_num_params=self.min_num_params, backward_prefetch=self.backward_prefetch,
+            forward_prefetch=self.forward_prefetch, max_inflight_all_gathers=self.max_inflight_all_gathers,
+            param_dtype=dtype(None if self.mixed_precision == "no" else self.mixed_precision),
+            reduce_dtype=dtype(self.reduce_dtype), buffer_dtype=None, keep_norms_fp32=self.keep_norms_fp32,
+            offload_params=self.offload_params, offload_optimizer=self.offload_optimizer,
+            activation_checkpointing=self.activation_checkpointing, sync_module_states=self.sync_module_states,
+            bucket_size_mb=self.bucket_size_mb,
+        )
+
+
+# ---------------------------------------------------------------------- field values
+
+FIELD_NAMES = tuple(f.name for f in fields(XShardConfig))
+_OPTIONAL = {"transformer_layer_cls_to_wrap", "reduce_dtype", "gradient_clipping", "train_micro_batch_size_per_gpu",
+             "train_batch_size", "optimizer", "scheduler", "devices", "seed"}
+
+
+def _normalise(name: str, value: Any) -> Any:
+    """The canonical value of field ``name`` (raises XShardConfigError naming it)."""
+    try:
+        return _NORMALISERS[name](name, value)
+    except XShardConfigError as exc:
+        raise XShardConfigError(str(exc), exc.fields or (name,)) from None
+
+
+def _optional(parse: Any) -> Any:
+    return lambda where, value: None if value is None else parse(where, value)
+
+
+def _choice(choices: Mapping[str, str], none: str | None = None) -> Any:
+    def parse(where: str, value: Any) -> str:
+        if value is None and none is not None:
+            return none
+        if value is False and none is not None:  # YAML reads an unquoted `no` as false
+            return none
+        return parse_choice(where, value, choices)
+    return parse
+
+
+def _positive(where: str, value: Any) -> int:
+    return parse_int(where, value, 1)
+
+
+_NORMALISERS: dict[str, Any] = {
+    "stage": parse_stage,
+    "auto_wrap_policy": _choice(WRAP, none="none"),
+    "transformer_layer_cls_to_wrap": parse_names,
+    "min_num_params": _positive,
+    "backward_prefetch": _choice(PREFETCH, none="none"),
+    "max_inflight_all_gathers": _positive,
+    "mixed_precision": _choice(PRECISION, none="no"),
+    "reduce_dtype": parse_dtype,
+    "state_dict_type": _choice(STATE_DICT),
+    "bucket_size_mb": lambda w, v: parse_float(w, v, 0.0, strict=True),
+    "gradient_accumulation_steps": _positive,
+    "gradient_clipping": lambda w, v: None if v is None else (parse_float(w, v, 0.0) or None),
+    "train_micro_batch_size_per_gpu": _optional(_positive),
+    "train_batch_size": _optional(_positive),
+    "optimizer": parse_section,
+    "scheduler": parse_section,
+    "backend": _choice(BACKENDS),
+    "devices": lambda w, v: None if v is None or is_auto(v) else _positive(w, v),
+    "num_nodes": _positive,
+    "seed": _optional(lambda w, v: parse_int(w, v, 0)),
+    "log_level": _choice(LOG_LEVELS),
+}
+for _name in ("forward_prefetch", "keep_norms_fp32", "offload_params", "offload_optimizer",
+              "activation_checkpointing", "sync_module_states"):
+    _NORMALISERS[_name] = parse_bool
+assert set(_NORMALISERS) == set(FIELD_NAMES), "every field needs a normaliser"
+
+
+def field_name(key: Any, where: str) -> str:
+    """The field a key names (aliases resolved); unknown keys are an error with a suggestion."""
+    if isinstance(key, str) and key in ALIASES:
+        return ALIASES[key]
+    if isinstance(key, str) and key in FIELD_NAMES:
+        return key
+    close = difflib.get_close_matches(str(key), [*FIELD_NAMES, *ALIASES], n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise XShardConfigError(f"{where}: unknown key {key!r}{hint} Valid keys: {', '.join(FIELD_NAMES)}")
+
+
+def env_values(env: Mapping[str, str]) -> dict[str, Any]:
+    """Field values from ``XSHARD_<FIELD>`` variables, validated (errors name the variable)."""
+    values: dict[str, Any] = {}
+    for name in FIELD_NAMES:
+        var = ENV_PREFIX + name.upper()
+        if var not in env:
+            continue
+        text = env[var]
+        if name in _OPTIONAL and text.strip().lower() in ("", "none", "null"):
+            value: Any = None
+        elif name in ("optimizer", "scheduler"):
+            try:
+                value = json.loads(text)
+            except (ValueError, RecursionError):
+                raise fail(var, text, 'JSON such as {"type": "AdamW", "params": {"lr": 1e-5}}') from None
+        else:
+            value = text
+        try:
+            values[name] = _normalise(name, value)
+        except XShardConfigError as exc:
+            raise XShardConfigError(str(exc).replace(f"{name}:", f"{var}:", 1), exc.fields) from None
+    return values
+
+
+# ---------------------------------------------------------------------- reading files
+
+
+def _read_bytes(path: str | os.PathLike) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise XShardConfigError(f"config file {os.fspath(path)!r} not found") from None
+    except OSError as exc:
+        raise XShardConfigError(f"config file {os.fspath(path)!r} cannot be read: {exc.strerror}") from None
+    except ValueError as exc:  # e.g. a NUL character in the path
+        raise XShardConfigError(f"config file {os.fspath(path)!r} is not a valid path: {exc}") from None
+
+
+def parse_text(raw: bytes, source: str) -> Any:
+    """The data in a JSON or YAML file's bytes (JSON first: YAML reads JSON's 2e8 as a string)."""
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise XShardConfigError(f"{source}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        pass
+    try:
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError, ValueError, TypeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise XShardConfigError(f"{source}: neither valid JSON nor valid YAML ({first})") from None
+
+
+def read_file(path: str | os.PathLike, script_args: Any = None, env: Mapping[str, str] | None = None) -> Reading:
+    """Read any supported config file into a `Reading`."""
+    source = os.fspath(path)
+    data = parse_text(_read_bytes(path), source)
+    return read_mapping(data, source, script_args, env or {}, Path(path).resolve().parent)
+
+
+def _guard(source: str, read: Any) -> Reading:
+    try:
+        return read()
+    except XShardConfigError as exc:
+        raise XShardConfigError(f"{source}: {exc}", exc.fields) from None
+
+
+_HF_FSDP_KEYS = {"xla", "xla_fsdp_settings", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "cpu_offload",
+                 "reshard_after_forward", "version", "limit_all_gathers", "use_orig_params"}
+
+
+def read_mapping(data: Any, source: str, script_args: Any, env: Mapping[str, str], base_dir: Path) -> Reading:
+    """Detect the kind of config ``data`` is and map it onto `XShardConfig` fields."""
+    if not isinstance(data, Mapping):
+        raise XShardConfigError(f"{source}: a config must be a mapping of keys to values, not {type(data).__name__}")
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise fail(source, bad[0], "string keys only")
+    keys = set(data)
+    reading = Reading(source)
+    world = ScriptArgs(script_args, env).world_size()
+
+    def resolve() -> dict[str, Any]:
+        return resolve_auto(data, script_args, env)
+
+    def read_ds_file(path: str, key: str) -> None:
+        # accelerate's deepspeed_config_file: always read as a DeepSpeed config (never recursively)
+        name = os.fspath(base_dir / path)
+        inner_data = parse_text(_read_bytes(name), name)
+        if not isinstance(inner_data, Mapping) or not all(isinstance(k, str) for k in inner_data):
+            raise XShardConfigError(f"{key}: {path!r} does not hold a DeepSpeed config (a JSON object)")
+        inner = _guard(path, lambda: read_deepspeed(resolve_auto(inner_data, script_args, env),
+                                                    Reading(path), world))
+        for field_, value in inner.values.items():
+            reading.set(field_, value, f"{inner.origin[field_]} in {path} ({key})")
+        for ignored in inner.ignored:
+            reading.ignore(f"{path}:{ignored}")
+
+    if keys & ACCELERATE_MARKERS:
+        return _guard(source, lambda: read_accelerate(data, reading, read_ds_file))
+    if keys & (DS_MARKERS - set(FIELD_NAMES)) or isinstance(data.get("activation_checkpointing"), Mapping):
+        return _guard(source, lambda: read_deepspeed(resolve(), reading, world))
+    native = set(FIELD_NAMES) | set(ALIASES)
+    if not keys <= native and all(k.startswith("fsdp_") or k in _HF_FSDP_KEYS for k in keys - native):
+        return _guard(source, lambda: read_hf_fsdp(True, data, reading))
+    resolved = _guard(source, resolve)
+    for key, value in resolved.items():
+        reading.set(field_name(key, source), value, key)
+    return reading
