@@ -23,9 +23,13 @@ from .errors import (
     BackendConflictError,
     BackendUnavailableError,
     UnknownBackendError,
+    VisibleDevicesError,
+    WorldEnvironmentError,
     WorldSizeError,
     XShardError,
 )
+from .vendor import VendorImport, import_vendor
+from .visible_devices import apply_visible_devices, parse_devices, visible_devices_value
 
 ENV_VAR = "XSHARD_BACKEND"
 
@@ -97,7 +101,7 @@ def select(backend: str | None = None, env: dict[str, str] | None = None) -> Sel
 
 def _explicit(name: str, source: str) -> Selection:
     cls = backend_class(name)
-    why_not = cls.unavailable_reason()
+    why_not = probe(cls)
     if why_not is not None:
         raise BackendUnavailableError(f"{source} asks for the {name} backend, but it cannot run here: {why_not}")
     return Selection(cls, source)
@@ -107,11 +111,20 @@ def _auto() -> Selection:
     skipped: list[tuple[str, str]] = []
     for name in AUTO_ORDER:
         cls = backend_class(name)
-        why_not = cls.unavailable_reason()
+        why_not = probe(cls)
         if why_not is None:
             return Selection(cls, f"auto: first available in the order {', '.join(AUTO_ORDER)}", tuple(skipped))
         skipped.append((name, why_not))
     raise BackendUnavailableError("no backend can run here: " + "; ".join(f"{n}: {w}" for n, w in skipped))
+
+
+def probe(cls: type[Backend]) -> str | None:
+    """``cls.unavailable_reason()``, with a probe that crashes reported as a reason, not raised
+    (one broken vendor install must not stop auto selection from reaching the next backend)."""
+    try:
+        return cls.unavailable_reason()
+    except Exception as exc:
+        return f"its availability probe failed: {type(exc).__name__}: {exc}"
 
 
 def get_backend(backend: str | None = None, world: World | None = None) -> Backend:
@@ -133,10 +146,18 @@ __all__ = [
     "Selection",
     "SingleProcessCollectives",
     "UnknownBackendError",
+    "VendorImport",
+    "VisibleDevicesError",
     "World",
+    "WorldEnvironmentError",
     "WorldSizeError",
     "XShardError",
+    "apply_visible_devices",
     "backend_class",
     "get_backend",
+    "import_vendor",
+    "parse_devices",
+    "probe",
     "select",
+    "visible_devices_value",
 ]

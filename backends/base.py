@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import Collectives, DistCollectives, SingleProcessCollectives
-from .errors import BackendUnavailableError, WorldSizeError
+from .errors import BackendUnavailableError, WorldEnvironmentError, WorldSizeError
 
 log = logging.getLogger("xshard.backends")
 
@@ -50,14 +50,22 @@ class World:
             try:
                 return int(raw)
             except ValueError:
-                raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+                raise WorldEnvironmentError(
+                    f"environment variable {name}={raw!r} is not an integer: check the launcher's environment"
+                ) from None
 
         world_size = read("WORLD_SIZE", 1)
         rank = read("RANK", 0)
         local_rank = read("LOCAL_RANK", rank)
         local_world_size = read("LOCAL_WORLD_SIZE", world_size)
+        if world_size < 1:
+            raise WorldEnvironmentError(f"WORLD_SIZE={world_size} must be at least 1")
         if not 0 <= rank < world_size:
-            raise ValueError(f"RANK={rank} is outside WORLD_SIZE={world_size}: check the launcher's environment")
+            raise WorldEnvironmentError(
+                f"RANK={rank} is outside WORLD_SIZE={world_size}: check the launcher's environment"
+            )
+        if local_rank < 0:
+            raise WorldEnvironmentError(f"LOCAL_RANK={local_rank} is negative: check the launcher's environment")
         return cls(rank, world_size, local_rank, local_world_size)
 
 
@@ -84,6 +92,8 @@ class Backend:
     #: vendor package the backend needs, with how to install it (for error messages and `xshard env`)
     vendor_module: ClassVar[str | None] = None
     install_hint: ClassVar[str] = ""
+    #: other environment variables that change how this backend behaves (shown by `xshard env`)
+    related_env_vars: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, world: World | None = None) -> None:
         self.world = world if world is not None else World.from_env()
@@ -108,6 +118,36 @@ class Backend:
     def vendor_version(cls) -> str | None:
         """Version of the vendor package (torch_npu, torch_xla), if any."""
         return None
+
+    @classmethod
+    def runtime_initialized(cls) -> bool:
+        """Has the vendor runtime started in this process (so it no longer reads its variables)?
+
+        Never starts the runtime or imports a vendor module that is not imported yet.
+        """
+        return False
+
+    @classmethod
+    def format_visible_devices(cls, ids: list[int]) -> str:
+        """The value of ``visible_devices_env`` that exposes devices ``ids`` (validated, distinct)."""
+        return ",".join(str(i) for i in ids)
+
+    @classmethod
+    def default_env(cls) -> dict[str, str]:
+        """Variables this backend wants in a process's environment unless the user set them
+        (the launcher puts them into the environment of the processes it starts)."""
+        return {}
+
+    @classmethod
+    def apply_default_env(cls, env: dict[str, str] | None = None) -> dict[str, str]:
+        """Put ``default_env()`` into ``env`` (default: os.environ), never overriding the user's
+        values; returns and logs what it set."""
+        env = os.environ if env is None else env
+        added = {k: v for k, v in cls.default_env().items() if k not in env}
+        for key, value in added.items():
+            env[key] = value
+            log.info("%s: set %s=%s (it was unset; export it yourself to choose another value)", cls.name, key, value)
+        return added
 
     # ------------------------------------------------------------------ devices
     def device_module(self) -> Any:
@@ -202,16 +242,22 @@ class Backend:
         Binds the device for the local rank first, as NCCL and HCCL require.
         """
         self.check_world()
+        timeout = _as_timedelta(timeout)
         if self.world.world_size > 1 or self.dist_backend is not None:
             self.set_device()
         if self.world.world_size == 1 or self.dist_backend is None:
             return
         if dist.is_initialized():
+            # Someone (the user, another library) started it: use it if it is this job's world.
+            if dist.get_world_size() != self.world.world_size or dist.get_rank() != self.world.rank:
+                raise WorldEnvironmentError(
+                    f"a process group is already running as rank {dist.get_rank()} of {dist.get_world_size()}, "
+                    f"but the environment says rank {self.world.rank} of {self.world.world_size}: "
+                    "start the process group once, with the launcher's RANK and WORLD_SIZE"
+                )
             return
         os.environ.setdefault("MASTER_ADDR", DEFAULT_MASTER_ADDR)
         os.environ.setdefault("MASTER_PORT", DEFAULT_MASTER_PORT)
-        if timeout is not None and not isinstance(timeout, datetime.timedelta):
-            timeout = datetime.timedelta(seconds=float(timeout))
         kwargs: dict[str, Any] = {
             "backend": self.dist_backend,
             "rank": self.world.rank,
@@ -219,9 +265,14 @@ class Backend:
         }
         if timeout is not None:
             kwargs["timeout"] = timeout
+        kwargs.update(self.process_group_options())
         dist.init_process_group(**kwargs)
         self._owns_process_group = True
         log.debug("process group %s: rank %d of %d", self.dist_backend, self.world.rank, self.world.world_size)
+
+    def process_group_options(self) -> dict[str, Any]:
+        """Extra keyword arguments for ``torch.distributed.init_process_group`` on this backend."""
+        return {}
 
     def destroy_process_group(self) -> None:
         """Leave the process group this backend started (no-op otherwise)."""
@@ -295,6 +346,20 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.world.rank}, world_size={self.world.world_size})"
+
+
+def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedelta | None:
+    """A process-group timeout given as seconds or a timedelta; None keeps torch's default."""
+    if timeout is None:
+        return None
+    if not isinstance(timeout, datetime.timedelta):
+        try:
+            timeout = datetime.timedelta(seconds=float(timeout))
+        except (TypeError, ValueError):
+            raise ValueError(f"timeout={timeout!r} is not a number of seconds or a timedelta") from None
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout={timeout} must be positive (seconds, or a timedelta)")
+    return timeout
 
 
 @contextlib.contextmanager

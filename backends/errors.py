@@ -23,3 +23,12 @@ class BackendConflictError(XShardError, ValueError):
 
 class WorldSizeError(XShardError, RuntimeError):
     """The job has more processes than the backend can run (MPS: one)."""
+
+
+class VisibleDevicesError(XShardError, ValueError):
+    """The ``devices`` option is malformed, or cannot take effect (runtime started, or a conflicting
+    visible-devices variable is already exported)."""
+
+
+class WorldEnvironmentError(XShardError, ValueError):
+    """torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...) are malformed or inconsistent."""

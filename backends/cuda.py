@@ -1,0 +1,73 @@
+"""CUDA backend: NVIDIA GPUs over NCCL."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from .base import Backend
+from .vendor import torch_release
+
+
+class CUDABackend(Backend):
+    """NVIDIA GPUs: one process per GPU, NCCL process group, native AVG reductions."""
+
+    name = "cuda"
+    device_type = "cuda"
+    dist_backend = "nccl"
+    visible_devices_env = "CUDA_VISIBLE_DEVICES"
+    native_avg = True  # NCCL implements ReduceOp.AVG (since NCCL 2.10)
+    install_hint = (
+        "install a CUDA build of torch, e.g. pip install torch=={torch} "
+        "--index-url https://download.pytorch.org/whl/cu126"
+    )
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        # device_count() asks the driver (or NVML) without starting torch's CUDA context.
+        if not torch.backends.cuda.is_built():
+            return (
+                f"this torch ({torch.__version__}) is built without CUDA: "
+                + cls.install_hint.format(torch=torch_release())
+            )
+        if "torch_npu.contrib.transfer_to_npu" in sys.modules:
+            # It rewires torch.cuda to the NPU: "cuda" here would really be the NPU without HCCL.
+            return "torch_npu.contrib.transfer_to_npu is loaded and redirects torch.cuda to the NPU: use XSHARD_BACKEND=npu"
+        if torch.cuda.device_count() == 0:
+            visible = os.environ.get(cls.visible_devices_env or "")
+            hidden = (
+                f"; {cls.visible_devices_env}={visible!r} is set and may hide them" if visible is not None else ""
+            )
+            return (
+                f"torch is built with CUDA {torch.version.cuda} but no CUDA device is visible{hidden}: "
+                "check the GPU and its driver with nvidia-smi"
+            )
+        return None
+
+    @classmethod
+    def vendor_version(cls) -> str | None:
+        return f"CUDA {torch.version.cuda}" if torch.version.cuda else None
+
+    @classmethod
+    def runtime_initialized(cls) -> bool:
+        return bool(torch.cuda.is_initialized())
+
+    def process_group_options(self) -> dict:
+        # Binding the group to this process's GPU lets NCCL set up its communicator at once and
+        # tells barrier() which GPU to use (otherwise torch guesses and warns).
+        return {"device_id": self.device()}
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        if dtype == torch.bfloat16:
+            return bool(torch.cuda.is_bf16_supported())  # Ampere (sm_80) and newer
+        return dtype in (torch.float32, torch.float16)
+
+    def describe(self) -> dict:
+        facts = super().describe()
+        try:
+            facts["nccl_version"] = ".".join(str(v) for v in torch.cuda.nccl.version())
+        except Exception as exc:  # a report must not crash on a half-working install
+            facts["nccl_version"] = f"unknown ({type(exc).__name__})"
+        return facts

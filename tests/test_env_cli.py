@@ -1,0 +1,141 @@
+"""`xshard env` as a user runs it: a subprocess, its output, its exit code, and never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import free_port
+from xshard.backends import World
+
+from xshard.env_report import run_checks
+
+ROOT = Path(__file__).resolve().parent.parent
+BROKEN_NPU = Path(__file__).parent / "fakes" / "broken_npu"
+
+
+def xshard_env(*args: str, env: dict[str, str] | None = None, module: tuple[str, ...] = ("-m", "xshard", "env"),
+               timeout: float = 120) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("XSHARD_") and not k.endswith("_VISIBLE_DEVICES")
+            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    base["OMP_NUM_THREADS"] = "1"
+    base.update(env or {})
+    return subprocess.run([sys.executable, *module, *args], cwd=ROOT, env=base, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("xshard env: error: "), proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def test_cpu_report() -> None:
+    proc = xshard_env(env={"XSHARD_BACKEND": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    assert "backend        cpu  (selected by XSHARD_BACKEND=cpu)" in proc.stdout
+    assert "dist backend   gloo" in proc.stdout
+    assert f"torch {torch.__version__}" in proc.stdout
+    assert "XSHARD_BACKEND=cpu" in proc.stdout
+
+
+def test_json_report_parses() -> None:
+    proc = xshard_env("--json", "--backend", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["backend"] == "cpu" and report["dist_backend"] == "gloo"
+    assert report["selected_by"] == "backend='cpu' argument"
+    assert report["world"] == {"rank": 0, "world_size": 1, "local_rank": 0}
+    assert report["versions"]["torch"] == torch.__version__
+
+
+def test_auto_with_a_torch_npu_that_exits_still_reports_cpu() -> None:
+    proc = xshard_env("--json", env={"PYTHONPATH": str(BROKEN_NPU / "exits")})
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    skipped = {s["backend"]: s["reason"] for s in report["skipped"]}
+    if report["backend"] == "cpu":  # (the XLA environment would pick xla first)
+        assert "called sys.exit" in skipped["npu"] and "set_env.sh" in skipped["npu"]
+
+
+@pytest.mark.parametrize("args,env,fragments", [
+    ((), {"XSHARD_BACKEND": "gpu"}, ("XSHARD_BACKEND='gpu'", "valid values are")),
+    (("--backend", "tpu"), {}, ("backend='tpu'", "valid values are")),
+    (("--backend", "cuda"), {"XSHARD_BACKEND": "cpu"}, ("backend='cuda'", "XSHARD_BACKEND='cpu'")),
+    ((), {"XSHARD_BACKEND": "npu", "PYTHONPATH": str(BROKEN_NPU / "exits")}, ("called sys.exit", "set_env.sh")),
+    ((), {"XSHARD_BACKEND": "npu", "PYTHONPATH": str(BROKEN_NPU / "no_cann")}, ("libascendcl.so", "set_env.sh")),
+    (("--backend", "cuda"), {}, ("built without CUDA",)),
+    (("--devices", "0,-1"), {"XSHARD_BACKEND": "cpu"}, ("-1 is negative",)),
+    ((), {"XSHARD_BACKEND": "cpu", "WORLD_SIZE": "two"}, ("WORLD_SIZE='two' is not an integer",)),
+], ids=["unknown-env", "unknown-arg", "conflict", "npu-exits", "npu-no-cann", "cuda-missing", "bad-devices",
+        "bad-world"])
+def test_errors_are_one_line_and_exit_2(args, env, fragments) -> None:
+    assert_one_line_error(xshard_env(*args, env=env), *fragments)
+
+
+def test_npu_without_torch_npu() -> None:
+    proc = xshard_env(env={"XSHARD_BACKEND": "npu"})
+    if "torch_npu is installed" not in proc.stderr:  # a machine with a real torch_npu says so instead
+        assert_one_line_error(proc, "torch_npu is not installed", "pip install torch-npu==", "set_env.sh")
+
+
+def test_check_passes_on_cpu_with_one_process() -> None:
+    proc = xshard_env("--check", env={"XSHARD_BACKEND": "cpu"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("process_group", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "matmul_fp32",
+                 "matmul_autocast_bf16"):
+        assert f"PASS  {name}" in proc.stdout
+    assert "FAIL" not in proc.stdout and "all 9 checks passed" in proc.stdout
+
+
+@pytest.mark.multiprocess
+def test_check_passes_under_torchrun_with_two_processes() -> None:
+    proc = xshard_env(
+        "--check", "--json", env={"XSHARD_BACKEND": "cpu"},
+        module=("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+                "-m", "xshard", "env"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    decoder, text, reports = json.JSONDecoder(), proc.stdout.strip(), []
+    while text:
+        report, end = decoder.raw_decode(text)
+        reports.append(report)
+        text = text[end:].strip()
+    assert sorted(r["world"]["rank"] for r in reports) == [0, 1]
+    for report in reports:
+        assert report["checks_passed"] is True
+        group = next(c for c in report["checks"] if c["name"] == "process_group")
+        assert group["detail"] == f"gloo: rank {report['world']['rank']} of 2"
+        assert next(c for c in report["checks"] if c["name"] == "all_reduce")["detail"] == "avg over 2 rank(s) = 1.5"
+
+
+def test_check_fails_and_exits_1_when_the_peer_never_comes() -> None:
+    env = {"XSHARD_BACKEND": "cpu", "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    proc = xshard_env("--check", "--timeout", "2", env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL  process_group" in proc.stdout and "FAIL  all_reduce" in proc.stdout
+    assert "PASS  matmul_fp32" in proc.stdout  # the device itself still works
+    assert "FAILED: process_group" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_check_catches_an_autocast_that_does_nothing(clean_env) -> None:
+    from xshard.backends import backend_class
+
+    backend = backend_class("cpu")(World())
+    real = backend.autocast
+    clean_env.setattr(backend, "autocast", lambda dtype=None, enabled=True: real(None))
+    results = {r.name: r for r in run_checks(backend)}
+    assert not results["matmul_autocast_bf16"].passed
+    assert "autocast did not apply" in results["matmul_autocast_bf16"].detail
+    assert results["matmul_fp32"].passed and results["all_reduce"].passed

@@ -1,0 +1,87 @@
+"""Show the backend xshard picks here and why, its devices, process-group backend, versions and the
+variables in effect. `--check` runs a self-test on that backend (a process group, each collective,
+a matmul per precision) and exits non-zero if any part fails: run it on new hardware, alone or
+under torchrun (`torchrun --nproc_per_node N -m xshard env --check`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `xshard env`."""
+    from xshard.backends import ENV_VAR, NAMES
+
+    parser.add_argument("--backend", metavar="NAME", default=None,
+                        help=f"ask for this backend, like backend= in code ({'|'.join(NAMES)}); "
+                             f"it must agree with {ENV_VAR} if that is set")
+    parser.add_argument("--devices", metavar="LIST", default=None,
+                        help="device indices to use, e.g. 0,2: sets the backend's visible-devices variable "
+                             "(CUDA_VISIBLE_DEVICES, ASCEND_RT_VISIBLE_DEVICES, ...) like the devices option")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--check", action="store_true",
+                        help="run the self-test (process group, collectives, matmul); exit 1 if any check fails")
+    parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="process-group timeout for --check (default: 60)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report (and run the checks); 0 when everything asked for passed."""
+    from xshard.backends import apply_visible_devices, select
+    from xshard.env_report import gather, run_checks
+
+    selection = select(args.backend)
+    applied = apply_visible_devices(selection.cls, args.devices)
+    backend = selection.cls()
+    report = gather(selection, backend)
+    report["devices_applied"] = applied
+    results = run_checks(backend, timeout=args.timeout) if args.check else None
+    failed = bool(results) and not all(r.passed for r in results)
+    if args.json:
+        if results is not None:
+            report["checks"] = [r.as_dict() for r in results]
+            report["checks_passed"] = not failed
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        prefix = f"[rank {backend.world.rank}] " if backend.world.world_size > 1 else ""
+        if not prefix or backend.world.rank == 0:
+            print(format_report(report))
+        if results is not None:
+            print(format_checks(results, prefix))
+    sys.stdout.flush()
+    return 1 if failed else 0
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable form of ``gather``'s report."""
+    lines = [f"backend        {report['backend']}  (selected by {report['selected_by']})"]
+    for i, skip in enumerate(report["skipped"]):
+        lines.append(f"{'  skipped' if i == 0 else '':<15}{skip['backend']}: {skip['reason']}")
+    lines.append(f"device         {report['device']}  ({report['device_count']} visible)")
+    dist_backend = report["dist_backend"] or "none (no c10d process group)"
+    avg = "native AVG" if report["native_avg"] else "AVG as SUM then divide"
+    lines.append(f"dist backend   {dist_backend}  ({avg})")
+    world = report["world"]
+    lines.append(f"world          rank {world['rank']} of {world['world_size']}, local rank {world['local_rank']}")
+    precisions = [name for name, ok in report["precision"].items() if ok]
+    lines.append(f"precision      {', '.join(precisions)}")
+    lines.append("versions       " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()))
+    for key, value in report["extra"].items():
+        lines.append(f"{key:<15}{value}")
+    var = report["visible_devices_env"]
+    if var:
+        lines.append(f"device list    {var}={report['environment'].get(var, '(unset: all devices)')}")
+    env = report["environment"]
+    lines.append("environment    " + (", ".join(f"{k}={v}" for k, v in env.items()) if env else "(none set)"))
+    return "\n".join(lines)
+
+
+def format_checks(results: list, prefix: str = "") -> str:
+    """One PASS/FAIL line per check and a summary line."""
+    lines = [f"{prefix}{'PASS' if r.passed else 'FAIL'}  {r.name:<22}{r.detail}" for r in results]
+    failed = [r.name for r in results if not r.passed]
+    lines.append(f"{prefix}" + (f"FAILED: {', '.join(failed)}" if failed else f"all {len(results)} checks passed"))
+    return "\n".join(lines)

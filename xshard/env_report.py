@@ -1,0 +1,227 @@
+"""What `xshard env` reports and what `xshard env --check` tests, as plain data.
+
+``gather`` answers "which backend would xshard use here, and why": the selection and its reason
+(XSHARD_BACKEND, the backend= argument, or which auto probe hit and why the earlier ones missed),
+devices, process-group backend, versions and the variables in effect. ``run_checks`` is the
+self-test a user runs on real hardware: start the process group (one process, or the world
+torchrun started), run each collective and compare with the expected values, and run a matmul in
+fp32 and in every low precision the device supports, against the same product on the CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import xshard
+from xshard.backends import AUTO_ORDER, ENV_VAR, Backend, DistCollectives, Selection, World, backend_class
+
+#: torchrun's variables, shown when set
+LAUNCH_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def relevant_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The set variables that steer xshard or a backend: XSHARD_*, each backend's visible-devices
+    and related variables, and torchrun's."""
+    env = dict(os.environ if env is None else env)
+    names = {k for k in env if k.startswith("XSHARD_")} | set(LAUNCH_ENV_VARS)
+    for name in AUTO_ORDER:
+        cls = backend_class(name)
+        if cls.visible_devices_env:
+            names.add(cls.visible_devices_env)
+        names.update(cls.related_env_vars)
+    return {k: env[k] for k in sorted(names) if k in env}
+
+
+def gather(selection: Selection, backend: Backend) -> dict[str, Any]:
+    """The report of `xshard env` for the chosen backend, as JSON-ready data."""
+    facts = backend.describe()
+    world = backend.world
+    return {
+        "backend": selection.name,
+        "selected_by": selection.reason,
+        "skipped": [{"backend": n, "reason": why} for n, why in selection.skipped],
+        "device_type": facts["device_type"],
+        "device": _safe(lambda: str(backend.device())),
+        "device_count": facts["device_count"],
+        "dist_backend": facts["dist_backend"],
+        "native_avg": facts["native_avg"],
+        "visible_devices_env": facts["visible_devices_env"],
+        "precision": {"fp32": True, "fp16": facts["fp16"], "bf16": facts["bf16"]},
+        "world": {"rank": world.rank, "world_size": world.world_size, "local_rank": world.local_rank},
+        "versions": {
+            "xshard": xshard.__version__,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            **({facts["vendor_module"] or selection.name: facts["vendor_version"]} if facts["vendor_version"] else {}),
+        },
+        "extra": {k: v for k, v in facts.items() if k not in _REPORTED},
+        "environment": relevant_env(),
+        "env_var": ENV_VAR,
+    }
+
+
+_REPORTED = {
+    "backend", "device_type", "dist_backend", "visible_devices_env", "native_avg", "vendor_module",
+    "vendor_version", "device_count", "bf16", "fp16",
+}
+
+
+def _safe(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as exc:  # a report must not crash on a half-working runtime
+        return f"unknown ({type(exc).__name__}: {exc})"
+
+
+# ---------------------------------------------------------------------- --check
+
+
+@dataclass
+class CheckResult:
+    """One self-test: its name, whether it passed, and what it saw."""
+
+    name: str
+    passed: bool
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _CheckFailed(Exception):
+    pass
+
+
+def _expect(ok: bool, message: str) -> None:
+    if not ok:
+        raise _CheckFailed(message)
+
+
+def run_checks(backend: Backend, timeout: float = 60.0) -> list[CheckResult]:
+    """Start the process group, run every collective and a matmul per precision; tear down."""
+    results: list[CheckResult] = []
+
+    def check(name: str, fn: Callable[[], str]) -> bool:
+        try:
+            results.append(CheckResult(name, True, fn()))
+            return True
+        except Exception as exc:
+            message = str(exc) if isinstance(exc, _CheckFailed) else f"{type(exc).__name__}: {exc}"
+            results.append(CheckResult(name, False, message))
+            return False
+
+    started: list[bool] = []
+    if check("process_group", lambda: _start_group(backend, timeout, started)):
+        collectives = _collectives_for(backend)
+        world = backend.world
+        for name, fn in _collective_checks(backend, collectives, world):
+            check(name, fn)
+    else:
+        for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+            results.append(CheckResult(name, False, "not run: the process group did not start"))
+    check("matmul_fp32", lambda: _matmul(backend, None))
+    for dtype in (torch.bfloat16, torch.float16):
+        if backend.supports(dtype):
+            check(f"matmul_autocast_{_short(dtype)}", lambda d=dtype: _matmul(backend, d))
+    check("synchronize", lambda: (backend.synchronize(), "device queue drained")[1])
+    try:
+        if started and dist.is_initialized():
+            dist.destroy_process_group()
+        backend.destroy_process_group()
+    except Exception as exc:
+        results.append(CheckResult("teardown", False, f"{type(exc).__name__}: {exc}"))
+    return results
+
+
+def _start_group(backend: Backend, timeout: float, started: list[bool]) -> str:
+    world = backend.world
+    if backend.dist_backend is not None and world.world_size == 1 and not dist.is_initialized():
+        # One process: still start a real one-rank group of this backend's kind, so that the
+        # collective library (NCCL, HCCL, gloo) itself is exercised, not skipped.
+        backend.set_device()
+        dist.init_process_group(
+            backend.dist_backend, store=dist.HashStore(), rank=0, world_size=1,
+            timeout=datetime.timedelta(seconds=timeout), **backend.process_group_options(),
+        )
+        started.append(True)
+    else:
+        backend.init_process_group(timeout=timeout)
+    if dist.is_initialized():
+        return f"{dist.get_backend()}: rank {dist.get_rank()} of {dist.get_world_size()}"
+    return f"no c10d process group ({backend.name} collectives, {world.world_size} process(es))"
+
+
+def _collectives_for(backend: Backend):
+    if dist.is_initialized():
+        return DistCollectives(native_avg=backend.native_avg, **backend.collective_options())
+    return backend.collectives
+
+
+def _collective_checks(backend: Backend, coll, world: World) -> list[tuple[str, Callable[[], str]]]:
+    n = dist.get_world_size() if dist.is_initialized() else world.world_size
+    rank = world.rank
+    dev = backend.device()
+
+    def all_reduce() -> str:
+        t = torch.full((4,), float(rank + 1), device=dev)
+        coll.all_reduce(t, op="avg")
+        expected = (n + 1) / 2
+        got = t.cpu()
+        _expect(torch.allclose(got, torch.full((4,), expected)), f"avg gave {got.tolist()}, expected {expected}")
+        return f"avg over {n} rank(s) = {expected}"
+
+    def all_gather() -> str:
+        shard = torch.arange(3, dtype=torch.float32, device=dev) + 10 * rank
+        out = torch.empty(3 * n, device=dev)
+        coll.all_gather_into_tensor(out, shard)
+        expected = torch.cat([torch.arange(3, dtype=torch.float32) + 10 * r for r in range(n)])
+        _expect(torch.equal(out.cpu(), expected), f"gathered {out.cpu().tolist()}, expected {expected.tolist()}")
+        return f"{n} shard(s) of 3 in rank order"
+
+    def reduce_scatter() -> str:
+        full = torch.arange(3 * n, dtype=torch.float32, device=dev) * (rank + 1)
+        out = torch.empty(3, device=dev)
+        coll.reduce_scatter_tensor(out, full, op="sum")
+        expected = torch.arange(3 * rank, 3 * rank + 3, dtype=torch.float32) * (n * (n + 1) / 2)
+        _expect(torch.allclose(out.cpu(), expected), f"got {out.cpu().tolist()}, expected {expected.tolist()}")
+        return "sum, this rank's slice"
+
+    def broadcast() -> str:
+        t = torch.full((2,), float(rank), device=dev)
+        coll.broadcast(t, src=n - 1)
+        _expect(torch.equal(t.cpu(), torch.full((2,), float(n - 1))), f"got {t.cpu().tolist()}, expected {n - 1}")
+        coll.barrier()
+        return f"from rank {n - 1}, then a barrier"
+
+    return [("all_reduce", all_reduce), ("all_gather", all_gather), ("reduce_scatter", reduce_scatter),
+            ("broadcast", broadcast)]
+
+
+def _short(dtype: torch.dtype | None) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[dtype]
+
+
+def _matmul(backend: Backend, dtype: torch.dtype | None) -> str:
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 64, generator=gen)
+    b = torch.randn(64, 64, generator=gen)
+    reference = a @ b
+    dev = backend.device()
+    with backend.autocast(dtype):
+        product = a.to(dev) @ b.to(dev)
+    want = torch.float32 if dtype is None else dtype
+    _expect(product.dtype == want, f"result dtype {product.dtype}, expected {want} (autocast did not apply)")
+    got = product.float().cpu()
+    # fp32 may use reduced-precision units (TF32 and the like); low precision keeps ~3 digits
+    tolerance = 1e-2 if dtype is None else 6e-2
+    err = float((got - reference).abs().max() / reference.abs().max())
+    _expect(err <= tolerance, f"relative error {err:.2e} > {tolerance:.0e} against the CPU product")
+    return f"64x64 on {dev}, relative error {err:.1e}"
