@@ -1,0 +1,156 @@
+"""Train the same tiny model sharded over N gloo ranks and in one plain PyTorch process, and compare.
+
+A case is a dict (see ``CASE``). ``run_cases`` runs a list of cases inside one spawned job (the
+process start-up is the expensive part); ``reference`` trains the same case with plain PyTorch on the
+full global batch, no xshard involved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from models import batch, make_qwen2, make_tiny, param_groups
+
+CASE: dict[str, Any] = dict(
+    stage=3, policy="transformer", model="tiny", tie=True, frozen=False, frozen_prefix=False, reuse=False, steps=3, micro=1, clip=None,
+    opt_before=False, groups=True, global_batch=8, options={}, optimizer="adamw", clip_type=2.0,
+    hf_checkpointing=False, checkpoint_calls=False, gated=False,
+)
+
+
+def case(**kw: Any) -> dict[str, Any]:
+    unknown = set(kw) - set(CASE)
+    if unknown:
+        raise KeyError(f"unknown case keys {unknown}")
+    return {**CASE, **kw}
+
+
+def build(c: dict[str, Any]) -> torch.nn.Module:
+    if c["model"] == "qwen2":
+        model = make_qwen2()
+        if c["hf_checkpointing"]:  # the model's own checkpointing: re-enters module.__call__ in backward
+            enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5
+            if enable is not None:
+                enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model = make_tiny(tie=c["tie"], reuse_first=c["reuse"], checkpoint_calls=c["checkpoint_calls"],
+                           gated=c["gated"])
+    if c["frozen"]:
+        for name, p in model.named_parameters():
+            # a frozen block weight and a frozen norm: LoRA-style partially frozen units
+            if name.endswith("blocks.0.up.weight") or name.endswith("layers.0.mlp.up_proj.weight") \
+                    or name.endswith("blocks.1.norm.weight") or name.endswith("layers.1.input_layernorm.weight"):
+                p.requires_grad_(False)
+    if c["frozen_prefix"]:  # embedding and first block frozen: that unit's output needs no gradient
+        for name, p in model.named_parameters():
+            if name.startswith(("embed.", "blocks.0.")):
+                p.requires_grad_(False)
+    return model
+
+
+def make_optimizer(model: torch.nn.Module, c: dict[str, Any]) -> torch.optim.Optimizer:
+    if c["optimizer"] == "sgd":  # low-precision cases: Adam would amplify rounding noise on tiny gradients
+        return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    if c["groups"]:
+        return torch.optim.AdamW(param_groups(model), lr=1e-2)
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+
+
+def _forward(model: torch.nn.Module, c: dict[str, Any], ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if c["model"] == "qwen2":
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+    return model(ids, labels)
+
+
+def _data(c: dict[str, Any], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    vocab = 61 if c["model"] == "qwen2" else 23
+    return batch(step, c["global_batch"], vocab=vocab)
+
+
+def reference(c: dict[str, Any]) -> dict[str, Any]:
+    """Plain PyTorch, one process, full global batch."""
+    model = build(c)
+    opt = make_optimizer(model, c)
+    losses, norms = [], []
+    for step in range(c["steps"]):
+        for micro in range(c["micro"]):
+            ids, labels = _data(c, step * c["micro"] + micro)
+            loss = _forward(model, c, ids, labels)
+            (loss / c["micro"]).backward()
+            losses.append(loss.item())
+        if c["clip"] is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), c["clip"], c["clip_type"]).item())
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "norms": norms, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def init_backend():
+    from xshard.backends import get_backend
+
+    backend = get_backend("cpu")
+    backend.init_process_group(timeout=60)
+    return backend
+
+
+def run_sharded(backend, rank: int, world_size: int, c: dict[str, Any]) -> dict[str, Any]:
+    """One case on this rank: returns per-micro-step local losses, clip norms, stats and the full state."""
+    from xshard.sharding import ShardingOptions, shard_model
+
+    model = build(c)
+    opt = make_optimizer(model, c) if c["opt_before"] else None
+    options = ShardingOptions(stage=c["stage"], auto_wrap_policy=c["policy"], **c["options"])
+    sm = shard_model(model, backend, options)
+    if opt is None:
+        opt = make_optimizer(sm, c)
+    sm.register_optimizer(opt)
+    per = c["global_batch"] // world_size
+    losses, norms, comm = [], [], []
+    for step in range(c["steps"]):
+        sm.reset_stats()
+        for micro in range(c["micro"]):
+            ids, labels = _data(c, step * c["micro"] + micro)
+            ids, labels = ids[rank * per:(rank + 1) * per], labels[rank * per:(rank + 1) * per]
+            sync = micro == c["micro"] - 1
+            with contextlib.nullcontext() if sync else sm.no_sync():
+                loss = _forward(sm, c, ids, labels)
+                (loss / c["micro"]).backward()
+            losses.append(loss.item())
+        comm.append(sm.stats()["comm"])
+        if c["clip"] is not None:
+            norms.append(sm.clip_grad_norm_(c["clip"], c["clip_type"]).item())
+        opt.step()
+        opt.zero_grad()
+    stats = sm.stats()
+    state = sm.full_state_dict()
+    return {"losses": losses, "norms": norms, "comm": comm, "stats": stats, "state": state,
+            "units": [(u.name, [sp.spec.fqn for sp in u.params]) for u in sm.units]}
+
+
+def run_cases(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Worker entry for run_workers: every case in turn on one process group."""
+    backend = init_backend()
+    try:
+        return [run_sharded(backend, rank, world_size, c) for c in cases]
+    finally:
+        backend.destroy_process_group()
+
+
+def assert_matches(results: list[dict[str, Any]], ref: dict[str, Any], atol: float, rtol: float = 0.0,
+                   label: str = "") -> None:
+    """Sharded losses (averaged over ranks) and final parameters match the reference."""
+    world = len(results)
+    losses = torch.tensor([r["losses"] for r in results]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(ref["losses"]), atol=atol, rtol=rtol, msg=lambda m: f"{label} losses: {m}")
+    for r in results:
+        for a, b in zip(r["norms"], ref["norms"], strict=True):
+            assert abs(a - b) <= atol + rtol * abs(b), f"{label}: clip norm {a} vs reference {b}"
+    state = results[0]["state"]
+    assert set(state) == set(ref["state"]), f"{label}: keys differ"
+    for k, v in ref["state"].items():
+        torch.testing.assert_close(state[k].float(), v.float(), atol=atol, rtol=rtol,
+                                   msg=lambda m, k=k: f"{label} {k} (world {world}): {m}")

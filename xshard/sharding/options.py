@@ -1,0 +1,116 @@
+"""ShardingOptions: every knob of the sharded core, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: FSDP / ZeRO names accepted for ``stage``
+STAGE_NAMES: dict[str, int] = {
+    "NO_SHARD": 0,
+    "DDP": 0,
+    "OPTIMIZER_STATE": 1,
+    "SHARD_GRAD_OP": 2,
+    "FULL_SHARD": 3,
+}
+WRAP_POLICIES = ("transformer", "size", "none")
+BACKWARD_PREFETCH = ("pre", "post", "none")
+
+
+def normalise_stage(stage: int | str) -> int:
+    """0-3 from an int, a digit string, or an FSDP name (NO_SHARD=0, SHARD_GRAD_OP=2, FULL_SHARD=3)."""
+    if isinstance(stage, bool):
+        raise ValueError(f"stage={stage!r} is not valid: use one of 0, 1, 2, 3 or {sorted(STAGE_NAMES)}")
+    if isinstance(stage, int) and stage in (0, 1, 2, 3):
+        return stage
+    if isinstance(stage, str):
+        key = stage.strip().upper()
+        if key in ("0", "1", "2", "3"):
+            return int(key)
+        if key in STAGE_NAMES:
+            return STAGE_NAMES[key]
+    raise ValueError(f"stage={stage!r} is not valid: use one of 0, 1, 2, 3 or {sorted(STAGE_NAMES)}")
+
+
+def _check_dtype(name: str, value: torch.dtype | None) -> None:
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise ValueError(f"{name}={value!r} is not a floating-point torch dtype (e.g. torch.bfloat16) or None")
+
+
+@dataclass
+class ShardingOptions:
+    """How ``shard_model`` splits, shards, overlaps and casts a model.
+
+    stage: 0 replicate (DDP), 1 optimizer state sharded, 2 + gradients sharded (SHARD_GRAD_OP),
+        3 + parameters sharded (FULL_SHARD). FSDP names are accepted.
+    auto_wrap_policy: "transformer" (units = modules whose class name is in
+        ``transformer_layer_cls_to_wrap``, default ``model._no_split_modules``), "size" (units by
+        ``min_num_params``) or "none" (one unit). The root unit holds what no other unit holds.
+    backward_prefetch: "pre" gathers the next unit before computing this unit's gradients, "post"
+        after, "none" only when needed. ``forward_prefetch`` gathers the next unit before this
+        unit's forward runs. ``max_inflight_all_gathers`` bounds the units gathered at once
+        (stage 3: non-root units holding full parameters; stages 1-2: gathers in flight).
+    param_dtype / reduce_dtype / buffer_dtype: compute (and all-gather) dtype, gradient
+        reduce dtype (default: param_dtype), buffer dtype; None keeps the model's dtype. The
+        user's parameters keep their dtype (fp32 master shards that the optimizer steps).
+    keep_norms_fp32: norm layers compute in fp32 (their parameters are gathered in fp32).
+    offload_params / offload_optimizer: keep parameter shards, gradient shards and optimizer
+        state in host memory (the optimizer steps on the CPU).
+    activation_checkpointing: recompute each unit's activations in backward.
+    sync_module_states: broadcast rank 0's parameters and buffers before sharding.
+    bucket_size_mb: all-reduce bucket size at stage 0.
+    """
+
+    stage: int | str = 3
+    auto_wrap_policy: str = "transformer"
+    transformer_layer_cls_to_wrap: list[str] | None = None
+    min_num_params: int = 100_000_000
+    backward_prefetch: str = "pre"
+    forward_prefetch: bool = False
+    max_inflight_all_gathers: int = 2
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    keep_norms_fp32: bool = False
+    offload_params: bool = False
+    offload_optimizer: bool = False
+    activation_checkpointing: bool = False
+    sync_module_states: bool = False
+    bucket_size_mb: float = 25
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> ShardingOptions:
+        """Normalise and check every field; raise ValueError naming the field and the valid values."""
+        self.stage = normalise_stage(self.stage)
+        policy = str(self.auto_wrap_policy).strip().lower()
+        if policy not in WRAP_POLICIES:
+            raise ValueError(f"auto_wrap_policy={self.auto_wrap_policy!r} is not valid: use one of {WRAP_POLICIES}")
+        self.auto_wrap_policy = policy
+        if isinstance(self.transformer_layer_cls_to_wrap, str):
+            self.transformer_layer_cls_to_wrap = [
+                s.strip() for s in self.transformer_layer_cls_to_wrap.split(",") if s.strip()
+            ]
+        prefetch = str(self.backward_prefetch).strip().lower()
+        prefetch = {"backward_pre": "pre", "backward_post": "post", "no_prefetch": "none"}.get(prefetch, prefetch)
+        if prefetch not in BACKWARD_PREFETCH:
+            raise ValueError(
+                f"backward_prefetch={self.backward_prefetch!r} is not valid: use one of {BACKWARD_PREFETCH}"
+            )
+        self.backward_prefetch = prefetch
+        if int(self.max_inflight_all_gathers) < 1:
+            raise ValueError(f"max_inflight_all_gathers={self.max_inflight_all_gathers} must be at least 1")
+        if int(self.min_num_params) < 1:
+            raise ValueError(f"min_num_params={self.min_num_params} must be a positive number of parameters")
+        if float(self.bucket_size_mb) <= 0:
+            raise ValueError(f"bucket_size_mb={self.bucket_size_mb} must be positive")
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            _check_dtype(name, getattr(self, name))
+        return self
+
+    @property
+    def offload(self) -> bool:
+        """Master shards, gradient shards and optimizer state live in host memory."""
+        return bool(self.offload_params or self.offload_optimizer)

@@ -1,0 +1,102 @@
+"""Full (unsharded) state dicts: gather one unit at a time to CPU; load by keeping this rank's shard.
+
+Keys are exactly those of the user's ``module.state_dict()`` (tied parameters appear under each of
+their names, as there), so the result can go straight to ``save_pretrained`` or ``torch.save``.
+Parameters are gathered in their own dtype (the fp32 master values, not the compute copies).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .layout import unpack_rows
+from .unit import Unit, plan_buffer, segment
+
+
+def _gather_unit(unit: Unit, keep: bool) -> dict[int, torch.Tensor]:
+    """id(user Parameter) -> full CPU tensor for every parameter of ``unit`` (empty if not ``keep``)."""
+    if not unit.params:
+        return {}
+    rt = unit.rt
+    dtypes = [sp.dtype for sp in unit.params]
+    buf_dtype, layout = plan_buffer([sp.geom.seg for sp in unit.params], dtypes)
+    send = torch.zeros(layout.row_numel, dtype=buf_dtype, device=rt.device)
+    with torch.no_grad():
+        for i, sp in enumerate(unit.params):
+            segment(send, layout, i, sp.dtype)[: sp.geom.local_numel].copy_(sp.user.detach().reshape(-1))
+    recv = torch.empty(layout.row_numel * rt.world_size, dtype=buf_dtype, device=rt.device)
+    rt.collectives.all_gather_into_tensor(recv, send)
+    if not keep:
+        return {}
+    grid = recv.view(rt.world_size, layout.row_numel)
+    out = {}
+    for i, sp in enumerate(unit.params):
+        full = torch.empty(sp.geom.shape, dtype=sp.dtype, device="cpu")
+        unpack_rows(segment(grid, layout, i, sp.dtype).cpu(), full.view(-1))
+        out[id(sp.user)] = full
+    return out
+
+
+def _param_keys(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return dict(module.named_parameters(remove_duplicate=False))
+
+
+def full_state_dict(model: Any, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """See ``ShardedModel.full_state_dict``."""
+    keep = not rank0_only or model.collectives.rank == 0
+    module = model.module
+    by_key = _param_keys(module)
+    full: dict[int, torch.Tensor] = {}
+    if model.units:
+        for unit in model.units:  # one unit in flight at a time: peak memory is one unit, not the model
+            full.update(_gather_unit(unit, keep))
+            model.backend.mark_step()  # compiled devices: cut the graph per unit
+    if not keep:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in module.state_dict().items():
+        p = by_key.get(key)
+        if p is not None and id(p) in full:
+            out[key] = full[id(p)]
+        else:
+            out[key] = value.detach().to("cpu", copy=True)
+    return out
+
+
+def load_full_state_dict(model: Any, state_dict: dict[str, torch.Tensor]) -> None:
+    """See ``ShardedModel.load_full_state_dict``."""
+    module = model.module
+    expected = set(module.state_dict().keys())
+    missing = sorted(expected - set(state_dict))
+    unexpected = sorted(set(state_dict) - expected)
+    if missing or unexpected:
+        raise KeyError(
+            f"state dict does not match the model: missing keys {missing[:10]}"
+            f"{' ...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
+            f"{' ...' if len(unexpected) > 10 else ''}"
+        )
+    by_key = _param_keys(module)
+    shard_of = {id(sp.user): sp for unit in model.units for sp in unit.params}
+    rank = model.collectives.rank
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    with torch.no_grad():
+        for key, value in state_dict.items():
+            p = by_key.get(key)
+            if p is None:
+                if key in buffers:
+                    buffers[key].copy_(value)
+                continue
+            if tuple(value.shape) != tuple(p.shape if id(p) not in shard_of else shard_of[id(p)].geom.shape):
+                raise ValueError(f"state dict entry {key!r} has shape {tuple(value.shape)}, the model's "
+                                 f"parameter has {tuple(shard_of[id(p)].geom.shape if id(p) in shard_of else p.shape)}")
+            sp = shard_of.get(id(p))
+            if sp is None:
+                p.copy_(value)
+                continue
+            g = sp.geom
+            flat = value.reshape(-1)[rank * g.seg: rank * g.seg + g.local_numel]
+            p.copy_(flat.view(g.local_shape))  # in place on the user's Parameter: bumps its version
+    for unit in model.units:
+        unit.stale = True

@@ -1,0 +1,334 @@
+"""A unit at run time: its parameters' shards, its full compute copies, its gather and reduce.
+
+Each parameter has two faces:
+- the user's ``nn.Parameter``: its ``.data`` is this rank's dim-0 shard (a view of a padded
+  buffer), in the model's dtype, where the optimizer updates it and where the reduced gradient
+  lands (``.grad``, same shape);
+- a full compute ``nn.Parameter`` (param_dtype, on the compute device) that is swapped into
+  ``module._parameters`` while the unit runs forward or backward, and swapped back afterwards,
+  so ``model.parameters()`` outside forward/backward always yields the user's Parameters.
+
+At stage 3 the full copy's storage is freed after use (``untyped_storage().resize_(0)``: the
+tensor object autograd saved stays valid and is refilled before backward needs it); at stages 1-2
+it stays resident and is refreshed only when a shard's ``_version`` shows the optimizer changed it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .layout import FlatLayout, ParamGeometry, pack_rows, unpack_rows
+from .wrap import UnitSpec, param_owner_is_norm
+
+SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
+_BYTE_ALIGN = 16  # alignment of segments in a mixed-dtype (byte) gather buffer
+
+
+def plan_buffer(segs: list[int], dtypes: list[torch.dtype]) -> tuple[torch.dtype, FlatLayout]:
+    """The dtype and layout of one flat buffer holding segments of ``segs`` elements of ``dtypes``.
+
+    One dtype: a buffer of that dtype. Mixed dtypes (fp32 norms beside bf16 weights): a byte
+    buffer whose segments are aligned so that each can be viewed as its own dtype.
+    """
+    kinds = set(dtypes)
+    if len(kinds) <= 1:
+        return (next(iter(kinds)) if kinds else torch.float32), FlatLayout.of(segs)
+    sizes = [n * torch.empty((), dtype=d).element_size() for n, d in zip(segs, dtypes, strict=True)]
+    return torch.uint8, FlatLayout.of(sizes, align=_BYTE_ALIGN)
+
+
+def segment(flat_or_grid: torch.Tensor, layout: FlatLayout, i: int, dtype: torch.dtype) -> torch.Tensor:
+    """Segment ``i`` of a flat buffer (1-D) or of an all-gather output viewed ``(world_size, row)``."""
+    off, size = layout.offsets[i], layout.sizes[i]
+    seg = flat_or_grid[..., off:off + size]
+    return seg.view(dtype) if flat_or_grid.dtype == torch.uint8 and dtype != torch.uint8 else seg
+
+
+@dataclass
+class Runtime:
+    """What every unit of one sharded model shares."""
+
+    collectives: object
+    rank: int
+    world_size: int
+    device: torch.device  # compute device
+    shard_device: torch.device  # where master shards, gradient shards and optimizer state live
+    stage: int
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    keep_norms_fp32: bool
+    frees_storage_by_resize: bool = True
+    #: stage 0 with compute copies: shards are the whole parameter (world of 1 for gathers) and
+    #: gradients are averaged with an all-reduce over these collectives instead of reduce-scattered
+    replicate_over: object = None
+
+
+def rehome(spec, data: torch.Tensor) -> nn.Parameter:
+    """Make the user's Parameter hold ``data`` (its shard, or itself on the compute device).
+
+    ``param.data = data`` keeps the Parameter object, so optimizers built earlier stay valid. A
+    tensor type that cannot take another's data in place (a CPU Parameter and an XLA tensor) gets a
+    new Parameter in every place that registered the old one, with a warning: on such devices build
+    the optimizer after sharding, or move the model to ``backend.device()`` first.
+    """
+    p = spec.param
+    if torch._has_compatible_shallow_copy_type(p, data):
+        p.data = data
+        return p
+    warnings.warn(  # one message per device pair, not one per parameter
+        f"parameters on {p.device.type} cannot take data on {data.device.type} in place, so they were replaced "
+        "by new Parameters: an optimizer built before sharding holds the old ones. Move the model to "
+        "backend.device() before sharding (or build the optimizer after)", stacklevel=4)
+    new = nn.Parameter(data, requires_grad=p.requires_grad)
+    for module, attr in spec.places:
+        module._parameters[attr] = new
+    spec.param = new
+    return new
+
+
+class ShardedParam:
+    """One parameter of a unit: the user's shard-holding Parameter and the full compute copy."""
+
+    def __init__(self, spec, rt: Runtime, gather_dtype: torch.dtype) -> None:
+        p = spec.param
+        self.spec = spec
+        self.user: nn.Parameter = p
+        self.geom = ParamGeometry.of(p.shape, rt.world_size, rt.rank)
+        self.dtype = p.dtype
+        self.gather_dtype = gather_dtype
+        self.trainable = p.requires_grad
+        g = self.geom
+        with torch.no_grad():
+            flat = p.detach().reshape(-1)
+            start = rt.rank * g.seg
+            self.padded = torch.zeros(g.seg, dtype=p.dtype, device=rt.shard_device)
+            self.padded[: g.local_numel].copy_(flat[start:start + g.local_numel])
+            full = torch.empty(g.shape, dtype=gather_dtype, device=rt.device)
+            if rt.stage < 3:  # stages 1-2 keep the full copy resident; start from the local values
+                full.copy_(p.detach())
+            self.full = nn.Parameter(full, requires_grad=p.requires_grad)
+            self.user = rehome(spec, self.padded[: g.local_numel].view(g.local_shape))
+        self.full_bytes = g.numel * self.full.element_size()
+
+    def version(self) -> int:
+        return self.user._version
+
+    def swap(self, use_full: bool) -> None:
+        """Register the full copy (or the user's Parameter) wherever the model registers this parameter."""
+        target = self.full if use_full else self.user
+        for module, attr in self.spec.places:
+            module._parameters[attr] = target
+
+
+class Unit:
+    """The parameters of one module, gathered and reduced together through one flat buffer each."""
+
+    def __init__(self, spec: UnitSpec, rt: Runtime, is_root: bool) -> None:
+        self.module = spec.module
+        self.name = spec.name or "<root>"
+        self.is_root = is_root
+        self.rt = rt
+        self.params: list[ShardedParam] = []
+        for ps in spec.params:
+            dtype = rt.param_dtype or ps.param.dtype
+            if rt.keep_norms_fp32 and param_owner_is_norm(ps) and ps.param.is_floating_point():
+                dtype = torch.float32
+            if not ps.param.is_floating_point():
+                dtype = ps.param.dtype
+            self.params.append(ShardedParam(ps, rt, dtype))
+        self.buffer_dtype, self.gather_layout = plan_buffer(
+            [sp.geom.seg for sp in self.params], [sp.gather_dtype for sp in self.params])
+        self.trainable = [sp for sp in self.params if sp.trainable]
+        self.reduce_dtype = rt.reduce_dtype or rt.param_dtype
+        self.reduce_layout = FlatLayout.of([sp.geom.seg for sp in self.trainable])
+        self.state = GATHERED if rt.stage < 3 else SHARDED
+        self.stamp = self.versions() if rt.stage < 3 else None
+        # True when the full copies may not match the shards: at stages 1-2 they start from this
+        # rank's own values, so the first forward gathers (ranks agree even without
+        # sync_module_states); also set when shards are written behind the version counters
+        self.stale = rt.stage in (1, 2)
+        self._pending = None  # (handle, recv) while GATHERING
+        # per-step bookkeeping, reset at the end of each backward
+        self.pending_backward_calls = 0
+        self.backward_done = False
+        self.in_backward = False  # between its pre-backward and its post-backward
+        if rt.stage == 3:
+            for sp in self.params:
+                self._free(sp)
+
+    # ------------------------------------------------------------------ state
+    def versions(self) -> tuple[int, ...]:
+        return tuple(sp.version() for sp in self.params)
+
+    def needs_gather(self) -> bool:
+        if self.state == SHARDED:
+            return True
+        if self.state == GATHERED:
+            return self.stale or self.stamp != self.versions()
+        return False
+
+    @property
+    def gather_numel(self) -> int:
+        """Elements of the gather buffer across all ranks (bytes if the buffer is uint8)."""
+        return self.gather_layout.row_numel * self.rt.world_size
+
+    def _segment(self, flat_or_grid: torch.Tensor, i: int) -> torch.Tensor:
+        return segment(flat_or_grid, self.gather_layout, i, self.params[i].gather_dtype)
+
+    # ------------------------------------------------------------------ gather
+    def start_gather(self) -> None:
+        """Issue this unit's all-gather (asynchronous); ``wait_gather`` completes it."""
+        if not self.params or not self.needs_gather():
+            return
+        rt = self.rt
+        send = torch.empty(self.gather_layout.row_numel, dtype=self.buffer_dtype, device=rt.device)
+        with torch.no_grad():
+            for i, sp in enumerate(self.params):
+                seg = self._segment(send, i)
+                seg[: sp.geom.local_numel].copy_(sp.user.detach().reshape(-1), non_blocking=True)
+                seg[sp.geom.local_numel:].zero_()
+        recv = torch.empty(self.gather_numel, dtype=self.buffer_dtype, device=rt.device)
+        handle = rt.collectives.all_gather_into_tensor(recv, send, async_op=True)
+        self._pending = (handle, recv, send)
+        self.stamp = self.versions()
+        self.stale = False
+        self.state = GATHERING
+
+    def wait_gather(self) -> None:
+        """Make the full parameters usable: finish an in-flight gather, or gather now."""
+        if self.state != GATHERING:
+            if not self.needs_gather():
+                return
+            self.start_gather()
+            if self.state != GATHERING:
+                return
+        handle, recv, _send = self._pending
+        self._pending = None
+        handle.wait()
+        grid = recv.view(self.rt.world_size, self.gather_layout.row_numel)
+        with torch.no_grad():
+            for i, sp in enumerate(self.params):
+                self._alloc(sp)
+                # the copy refills tensors autograd saved in forward: keep their version so the
+                # saved-tensor check in backward does not see an in-place modification
+                with torch.autograd._unsafe_preserve_version_counter(sp.full):
+                    unpack_rows(self._segment(grid, i), sp.full.view(-1))
+        self.state = GATHERED
+
+    def reshard(self) -> None:
+        """Free the full copies (stage 3 only; stages 1-2 keep them resident)."""
+        if self.rt.stage < 3 or self.state == SHARDED:
+            return
+        if self.state == GATHERING:
+            self.wait_gather()
+        for sp in self.params:
+            self._free(sp)
+        self.state = SHARDED
+
+    def _free(self, sp: ShardedParam) -> None:
+        if self.rt.frees_storage_by_resize:
+            sp.full.untyped_storage().resize_(0)
+        else:  # devices without resizable storage (XLA): drop the data, keep the Parameter object
+            sp.full.data = torch.empty(0, dtype=sp.gather_dtype, device=self.rt.device)
+
+    def _alloc(self, sp: ShardedParam) -> None:
+        if self.rt.frees_storage_by_resize:
+            storage = sp.full.untyped_storage()
+            if storage.size() == 0:
+                storage.resize_(sp.full_bytes)
+        elif sp.full.numel() != sp.geom.numel:
+            sp.full.data = torch.empty(sp.geom.shape, dtype=sp.gather_dtype, device=self.rt.device)
+
+    def live_full_bytes(self, sp: ShardedParam) -> int:
+        """Bytes of ``sp``'s full compute copy allocated right now (0 when freed)."""
+        if self.rt.frees_storage_by_resize:
+            return sp.full.untyped_storage().size()
+        return sp.full.numel() * sp.full.element_size()
+
+    # ------------------------------------------------------------------ swap
+    def swap_in(self) -> None:
+        for sp in self.params:
+            sp.swap(True)
+
+    def swap_out(self) -> None:
+        for sp in self.params:
+            sp.swap(False)
+
+    # ------------------------------------------------------------------ reduce
+    def start_reduce(self) -> PendingReduce | None:
+        """Pack the full gradients into one buffer, free them, and issue the reduce-scatter."""
+        if not self.trainable:
+            return None
+        rt = self.rt
+        dtype = self.reduce_dtype or self.trainable[0].dtype
+        row = self.reduce_layout.row_numel
+        buf = torch.empty(rt.world_size * row, dtype=dtype, device=rt.device)
+        grid = buf.view(rt.world_size, row)
+        with torch.no_grad():
+            for off, sp in zip(self.reduce_layout.offsets, self.trainable, strict=True):
+                block = grid[:, off:off + sp.geom.seg]
+                grad = sp.full.grad
+                if grad is None:
+                    block.zero_()
+                else:
+                    pack_rows(grad.reshape(-1), block)
+                sp.full.grad = None
+        comm = rt.replicate_over or rt.collectives
+        op, pre, post = _divide_factors(dtype, comm.world_size)
+        if pre != 1.0:
+            buf.div_(pre)
+        if rt.replicate_over is not None:
+            handle = comm.all_reduce(buf, op=op, async_op=True)
+            return PendingReduce(self, handle, buf, buf, post)
+        out = torch.empty(row, dtype=dtype, device=rt.device)
+        handle = comm.reduce_scatter_tensor(out, buf, op=op, async_op=True)
+        return PendingReduce(self, handle, out, buf, post)
+
+    def accumulate_grads(self, out: torch.Tensor) -> None:
+        """Add this rank's reduced shard of every trainable parameter's gradient to ``param.grad``."""
+        with torch.no_grad():
+            for off, sp in zip(self.reduce_layout.offsets, self.trainable, strict=True):
+                shard = out[off:off + sp.geom.local_numel].view(sp.geom.local_shape)
+                # blocking: an asynchronous device-to-host copy could still be running when the
+                # optimizer reads an offloaded gradient
+                shard = shard.to(device=sp.user.device, dtype=sp.dtype)
+                if sp.user.grad is None:
+                    sp.user.grad = shard  # a view of ``out``, which nothing else reuses
+                else:
+                    sp.user.grad.add_(shard)
+
+
+def _divide_factors(dtype: torch.dtype, world_size: int) -> tuple[str, float, float]:
+    """(op, pre-divide, post-divide) for a gradient average.
+
+    fp16 sums of N gradients can overflow: divide by ~sqrt(N) before and the rest after (as
+    PyTorch FSDP does). Other dtypes use the collectives' "avg" (native where the backend has it,
+    SUM then divide otherwise).
+    """
+    if dtype == torch.float16 and world_size > 1:
+        pre = 1.0
+        while world_size % (pre * 2) == 0 and world_size / (pre * 2) >= pre * 2:
+            pre *= 2
+        return "sum", pre, world_size / pre
+    return "avg", 1.0, 1.0
+
+
+@dataclass
+class PendingReduce:
+    """A reduce-scatter in flight and the buffers it needs until it completes."""
+
+    unit: Unit
+    handle: object
+    out: torch.Tensor
+    buf: torch.Tensor
+    post_divide: float
+
+    def finish(self) -> None:
+        self.handle.wait()
+        if self.post_divide != 1.0:
+            self.out.div_(self.post_divide)
+        self.unit.accumulate_grads(self.out)
