@@ -33,3 +33,23 @@ def _bind_backends_from_source_tree() -> None:
 
 
 _bind_backends_from_source_tree()
+
+
+def __getattr__(name: str):
+    """Public names, imported on first use so that `import xshard` stays light (no torch import)."""
+    if name == "Accelerator":
+        from .accelerator import Accelerator
+
+        return Accelerator
+    if name == "XShardConfig":
+        from .config import XShardConfig
+
+        return XShardConfig
+    if name in ("get_logger", "tqdm", "progress"):
+        from . import log
+
+        return getattr(log, name)
+    raise AttributeError(f"module 'xshard' has no attribute {name!r}")
+
+
+__all__ = ["Accelerator", "XShardConfig", "__version__", "get_logger", "progress", "tqdm"]

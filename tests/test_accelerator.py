@@ -1,0 +1,339 @@
+"""Accelerator: one training loop, written once, gives the single-process PyTorch result at every stage.
+
+The sharded runs use 2 real gloo processes. The reference is plain PyTorch in one process on the
+full batch (batch per rank x world size x accumulation steps), clipping with
+``torch.nn.utils.clip_grad_norm_``. Accumulation and clipping come from the config only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_workers
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from xshard.data import ShardSampler
+
+pytestmark = pytest.mark.multiprocess
+
+N, DIM, BATCH, WORLD, ACCUM, CLIP = 32, 8, 2, 2, 2, 0.05
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(self.norm(x)))
+
+
+class Net(nn.Module):
+    _no_split_modules = ["Block"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, 16)
+        self.blocks = nn.ModuleList(Block(16) for _ in range(3))
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return nn.functional.mse_loss(self.out(h).squeeze(-1), y)
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(N, DIM, generator=g)
+    return TensorDataset(x, x.sum(-1).sin())
+
+
+def _model() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def _optimizer(model):
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-2)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+def _reference(epochs: int = 1):
+    """Plain PyTorch, one process, the full batch of each optimizer step."""
+    model = _model()
+    opt, sched = _optimizer(model)
+    data = _data()
+    sampler = ShardSampler(N, 1, 0, shuffle=True, seed=0)
+    step_size = BATCH * WORLD * ACCUM
+    losses = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        for s in range(N // step_size):
+            idx = order[s * step_size:(s + 1) * step_size]
+            loss = model(*data[idx])
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return model.state_dict(), losses, sched.get_last_lr()
+
+
+def _train(acc, model, opt, loader, sched, epochs):
+    """The loop a user writes once (DESIGN.md), no accumulation or clipping arguments."""
+    micro_losses = []
+    for _ in range(epochs):
+        for batch in loader:
+            with acc.accumulate(model), acc.autocast():
+                loss = model(*batch)
+                acc.backward(loss)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            micro_losses.append(acc.reduce(loss.detach(), "mean").item())
+    return micro_losses
+
+
+def _prepared(stage, extra=None):
+    import xshard
+
+    config = {"stage": stage, "gradient_accumulation_steps": ACCUM, "gradient_clipping": CLIP, **(extra or {})}
+    acc = xshard.Accelerator(config=config, seed=0)
+    model = _model()
+    opt, sched = _optimizer(model)  # built before prepare: the parameters stay valid
+    loader = DataLoader(_data(), batch_size=BATCH, shuffle=True)
+    return (acc, *acc.prepare(model, opt, loader, sched))
+
+
+def _parity_worker(rank, world_size, stages, epochs):
+    results = {}
+    for stage in stages:
+        acc, model, opt, loader, sched = _prepared(stage)
+        micro = _train(acc, model, opt, loader, sched, epochs)
+        full = acc.full_state_dict(model)
+        results[stage] = {"state": full, "micro": micro, "lr": sched.get_last_lr(),
+                          "sync_at_end": acc.sync_gradients}
+    return results
+
+
+def test_every_stage_matches_single_process_pytorch_with_accumulation_and_clipping():
+    ref_state, ref_losses, ref_lr = _reference(epochs=2)
+    results = run_workers(_parity_worker, WORLD, (0, 1, 2, 3), 2)
+    for stage, res in results[0].items():
+        assert res["state"].keys() == ref_state.keys()
+        for key, value in ref_state.items():
+            torch.testing.assert_close(res["state"][key], value, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, k=key, s=stage: f"stage {s}, {k}: {m}")
+        # the mean of each window's two micro-batch losses is the reference's full-batch loss
+        windows = [sum(res["micro"][i:i + ACCUM]) / ACCUM for i in range(0, len(res["micro"]), ACCUM)]
+        assert windows == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+        assert res["lr"] == pytest.approx(ref_lr)  # the scheduler stepped once per optimizer step
+    assert results[1][3]["state"] == {}  # full weights are gathered to rank 0 only
+
+
+def _accumulation_worker(rank, world_size):
+    """The window is driven by the config alone; the end of an epoch always closes it."""
+    import xshard
+
+    acc = xshard.Accelerator(config={"stage": 2, "gradient_accumulation_steps": 3}, seed=0)
+    model = _model()
+    opt, sched = _optimizer(model)
+    # 10 samples / (2 ranks x 1 per batch) = 5 batches per rank: windows of 3 and 2.
+    loader = DataLoader(TensorDataset(*_data()[:10]), batch_size=1)
+    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    syncs, comm = [], []
+    for batch in loader:
+        model.reset_stats()
+        with acc.accumulate(model):
+            acc.backward(model(*batch))
+            opt.step()
+            opt.zero_grad()
+        syncs.append(acc.sync_gradients)
+        comm.append(model.stats()["comm"]["bytes"].get("reduce_scatter", 0))
+    return syncs, comm
+
+
+def test_accumulation_window_comes_from_the_config_and_closes_at_the_end_of_an_epoch():
+    syncs, comm = run_workers(_accumulation_worker, WORLD)[0]
+    assert syncs == [False, False, True, False, True]
+    # no gradient communication inside the window; one reduce-scatter at its end
+    assert [c > 0 for c in comm] == syncs
+
+
+def _fp16_skip_worker(rank, world_size):
+    import xshard
+
+    acc = xshard.Accelerator(config={"stage": 3, "mixed_precision": "fp16"}, seed=0)
+    model = _model()
+    opt, sched = _optimizer(model)
+    loader = DataLoader(_data(), batch_size=4)
+    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    # a small start scale, so that only the injected overflow skips a step
+    acc.scaler.load_state_dict({"scale": 64.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                "growth_interval": 2000, "_growth_tracker": 0})
+    lrs, changed = [], []
+    for i, batch in enumerate(loader):
+        if i == 2:
+            break
+        before = [p.detach().clone() for p in model.parameters()]
+        with acc.accumulate(model), acc.autocast():
+            loss = model(*batch)
+            if i == 1 and rank == 1:
+                loss = loss * float("inf")  # one rank overflows: every rank must skip the step
+            acc.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        lrs.append(sched.get_last_lr()[0])
+        changed.append(any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(), strict=True)))
+    return lrs, changed
+
+
+def test_fp16_overflow_skips_the_step_on_every_rank_and_the_scheduler_waits():
+    for lrs, changed in run_workers(_fp16_skip_worker, WORLD):
+        assert changed == [True, False]
+        assert lrs == pytest.approx([5e-3, 5e-3])  # StepLR halved once, not twice
+
+
+def _checkpoint_worker(rank, world_size, folder):
+    acc, model, opt, loader, sched = _prepared(3)
+    it = iter(loader)
+    for _ in range(4):  # stop mid-epoch, after two accumulation windows
+        batch = next(it)
+        with acc.accumulate(model):
+            acc.backward(model(*batch))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    acc.save_state(folder)
+    rest = _train(acc, model, opt, _remaining(loader, it), sched, 1)
+    rest += _train(acc, model, opt, loader, sched, 1)
+    expected = acc.full_state_dict(model)
+
+    acc2, model2, opt2, loader2, sched2 = _prepared(3)
+    acc2.load_state(folder)
+    resumed = _train(acc2, model2, opt2, loader2, sched2, 2)
+    files = sorted(p.name for p in folder.iterdir())
+
+    import warnings
+
+    with acc2.accumulate(model2):  # half a window: the partial gradients cannot be saved
+        acc2.backward(model2(*next(iter(loader2))))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc2.save_state(folder)
+    return expected, acc2.full_state_dict(model2), rest, resumed, files, [str(w.message) for w in caught]
+
+
+class _remaining:
+    """The rest of an iteration already under way, as an iterable loop body (for _train)."""
+
+    def __init__(self, loader, it):
+        self.loader, self.it = loader, it
+
+    def __iter__(self):
+        return self.it
+
+
+def test_save_and_load_state_resume_mid_epoch_exactly(tmp_path):
+    folder = tmp_path / "ckpt"
+    expected, resumed, rest, resumed_losses, files, warned = run_workers(_checkpoint_worker, WORLD, folder)[0]
+    assert files == ["data.pt", "model.safetensors", "optimizer.rank0.pt", "optimizer.rank1.pt",
+                     "rng.rank0.pt", "rng.rank1.pt", "scheduler.pt", "xshard_state.json"]
+    assert resumed_losses == pytest.approx(rest, rel=1e-6)
+    for key, value in expected.items():
+        torch.testing.assert_close(resumed[key], value, rtol=0, atol=0)
+    assert not (tmp_path / "ckpt.tmp").exists() and not (tmp_path / "ckpt.old").exists()
+    assert any("inside an accumulation window" in m for m in warned)  # saved again over it, with a warning
+
+
+def _api_worker(rank, world_size):
+    import xshard
+
+    acc = xshard.Accelerator(config={"stage": 3}, seed=0)
+    order = []
+    with acc.main_process_first():
+        order.append(rank)
+    gathered = acc.gather(torch.tensor([float(rank), 10.0 + rank]))
+    scalars = acc.gather(torch.tensor(float(rank)))
+    nested = acc.gather({"a": torch.tensor([rank])})
+    summed = acc.reduce(torch.tensor(float(rank + 1)), "sum")
+    mean = acc.reduce(torch.tensor(float(rank + 1)))
+    model = acc.prepare(_model())
+    inner = acc.unwrap_model(model)
+    acc.end()
+    return {
+        "gathered": gathered, "scalars": scalars, "nested": nested["a"], "sum": summed.item(),
+        "mean": mean.item(), "main": acc.is_main_process, "local_main": acc.is_local_main_process,
+        "rank": acc.rank, "world": acc.world_size, "inner_is_net": type(inner).__name__ == "Net",
+    }
+
+
+def test_collectives_and_process_facts():
+    r0, r1 = run_workers(_api_worker, WORLD)
+    assert r0["gathered"].tolist() == r1["gathered"].tolist() == [0.0, 10.0, 1.0, 11.0]
+    assert r0["scalars"].tolist() == [0.0, 1.0] and r1["nested"].tolist() == [0, 1]
+    assert r0["sum"] == r1["sum"] == 3.0 and r0["mean"] == r1["mean"] == 1.5
+    assert (r0["main"], r1["main"], r0["local_main"], r1["local_main"]) == (True, False, True, False)
+    assert (r0["rank"], r1["rank"], r0["world"]) == (0, 1, 2)
+    assert r0["inner_is_net"]
+
+
+def _unseeded_worker(rank, world_size):
+    import xshard
+
+    acc = xshard.Accelerator(config={"stage": 0})  # no seed anywhere: ranks build different models
+    torch.manual_seed(100 + rank)
+    model = acc.prepare(Net())
+    return {k: v.clone() for k, v in model.module.state_dict().items()}
+
+
+def test_an_unseeded_job_starts_every_rank_from_rank_0_weights(clean_env):
+    r0, r1 = run_workers(_unseeded_worker, WORLD)
+    for key in r0:
+        assert torch.equal(r0[key], r1[key]), key
+
+
+def test_single_process_bf16_autocast_trains(clean_env):
+    import xshard
+
+    acc = xshard.Accelerator(config={"stage": 0, "mixed_precision": "bf16"}, seed=0)
+    model = _model()
+    opt, sched = _optimizer(model)
+    model, opt, loader, sched = acc.prepare(model, opt, DataLoader(_data(), batch_size=8), sched)
+    seen = []
+    for batch in loader:
+        with acc.accumulate(model), acc.autocast():
+            h = model.inp(batch[0])
+            seen.append(h.dtype)
+            acc.backward(model(*batch))
+            opt.step()
+            opt.zero_grad()
+    assert seen and set(seen) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
+    acc.end()
+
+
+def test_prepare_rejects_what_it_cannot_prepare(clean_env):
+    import xshard
+
+    acc = xshard.Accelerator(seed=0)
+    with pytest.raises(TypeError, match="prepare\\(\\) got a dict"):
+        acc.prepare({"not": "a model"})
+    acc.end()
+
+
+def test_accelerator_is_exported_lazily():
+    import xshard
+
+    assert xshard.Accelerator.__name__ == "Accelerator"
+    assert xshard.XShardConfig.__name__ == "XShardConfig"

@@ -1,0 +1,268 @@
+"""Data loading for data-parallel jobs: one disjoint slice per rank, batches on the right device.
+
+``ShardSampler`` gives rank ``r`` of ``W`` the indices ``order[r::W]`` of a per-epoch order (a seeded
+shuffle, or 0..n-1). Interleaving matters: batch ``k`` of every rank together is exactly batch ``k`` of
+a single process whose batch size is ``W`` times larger, so a sharded run can be checked against a
+single-process run on the full batch.
+
+``ShardedDataLoader`` wraps a rebuilt ``torch.utils.data.DataLoader`` (same dataset, batch size per
+rank, collate function, workers) and adds what training needs:
+
+- batches moved to the device (tensors inside dicts, lists, tuples, named tuples, HF ``BatchEncoding``);
+- the epoch advances by itself at the end of each pass (``set_epoch`` still works), so each epoch
+  has a new shuffle without user code;
+- the position (epoch and batches consumed) is remembered: ``state_dict()`` / ``load_state_dict()``
+  resume mid-epoch without reading the skipped samples again;
+- ``end_of_epoch`` is True while the last batch of an epoch is being used (the Accelerator syncs
+  gradients there even when the accumulation window is not full).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+
+from .log import get_logger
+
+log = get_logger("xshard.data")
+
+
+class ShardSampler(Sampler[int]):
+    """Rank ``rank`` of ``num_replicas``: a disjoint, deterministic slice of each epoch's order.
+
+    Args:
+        length: number of samples in the dataset.
+        num_replicas, rank: the data-parallel world.
+        shuffle: a seeded permutation per epoch (``seed + epoch``), the same on every rank.
+        seed: the shuffle seed.
+        drop_last: drop the tail that does not divide evenly over ranks; otherwise the order is
+            padded by wrapping around, so every rank gets the same number of samples (a rank with
+            fewer batches would leave the others waiting in a collective).
+    """
+
+    def __init__(
+        self, length: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = False, seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"ShardSampler: rank {rank} is not in a world of {num_replicas}")
+        self.length = int(length)
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = int(seed)
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.start = 0  # samples of this rank's slice to skip (resume mid-epoch)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples per rank per epoch (before any skip)."""
+        if self.drop_last:
+            return self.length // self.num_replicas
+        return math.ceil(self.length / self.num_replicas)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s order (the shuffle seed is ``seed + epoch``)."""
+        self.epoch = int(epoch)
+
+    def order(self) -> list[int]:
+        """This epoch's order over the whole dataset, trimmed or padded to a multiple of the world."""
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.length, generator=g).tolist()
+        else:
+            order = list(range(self.length))
+        total = self.num_samples * self.num_replicas
+        if total <= len(order):
+            return order[:total]
+        if not order:
+            return order
+        repeats = math.ceil((total - len(order)) / len(order))
+        return order + (order * repeats)[: total - len(order)]
+
+    def __iter__(self) -> Iterator[int]:
+        mine = self.order()[self.rank :: self.num_replicas]
+        return iter(mine[self.start :])
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.start)
+
+
+def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Move every tensor in ``batch`` (nested dicts, lists, tuples, named tuples) to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, Mapping):
+        moved = {k: move_to_device(v, device, non_blocking) for k, v in batch.items()}
+        try:
+            return type(batch)(moved)  # keeps dict subclasses such as HF BatchEncoding
+        except TypeError:
+            return moved
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
+        return type(batch)(*(move_to_device(v, device, non_blocking) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_to_device(v, device, non_blocking) for v in batch)
+    if hasattr(batch, "to") and callable(batch.to) and not isinstance(batch, type):
+        try:
+            return batch.to(device)  # objects with their own .to(), e.g. BatchEncoding
+        except TypeError:
+            return batch
+    return batch
+
+
+def _rebuild(loader: DataLoader, sampler: Sampler[int]) -> DataLoader:
+    """The same DataLoader with ``sampler`` in place of its own (every other setting kept)."""
+    kwargs: dict[str, Any] = {
+        "batch_size": loader.batch_size,
+        "sampler": sampler,
+        "num_workers": loader.num_workers,
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "drop_last": loader.drop_last,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+    }
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+        kwargs["multiprocessing_context"] = loader.multiprocessing_context
+    return DataLoader(loader.dataset, **kwargs)
+
+
+class ShardedDataLoader:
+    """A DataLoader that shards over ranks, places batches on the device and remembers its position.
+
+    Build it with ``shard_data_loader`` (``Accelerator.prepare`` does). Iterating it gives this
+    rank's batches of the current epoch, starting after the batches already consumed.
+    """
+
+    def __init__(
+        self,
+        loader: DataLoader,
+        device: torch.device,
+        sampler: ShardSampler | None,
+        wrap: Callable[[Any], Any] = lambda x: x,
+    ) -> None:
+        self.loader = loader
+        self.device = device
+        self.sampler = sampler
+        self._wrap = wrap
+        self.epoch = 0
+        self.batches_consumed = 0
+        self.end_of_epoch = False
+
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    @property
+    def batch_size(self) -> int | None:
+        """Batch size per rank (the global batch is this times the world size)."""
+        return self.loader.batch_size
+
+    def __len__(self) -> int:
+        """Batches per rank in a whole epoch."""
+        if self.sampler is None:
+            return len(self.loader)
+        n, b = self.sampler.num_samples, self.loader.batch_size or 1
+        return n // b if self.loader.drop_last else math.ceil(n / b)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` (a different shuffle). Setting the current epoch again keeps the
+        position, so ``set_epoch`` in a loop after ``load_state_dict`` resumes mid-epoch."""
+        if int(epoch) != self.epoch:
+            self.epoch = int(epoch)
+            self.batches_consumed = 0
+
+    def state_dict(self) -> dict[str, int]:
+        """Where this loader is: ``{"epoch", "batches_consumed"}`` (the same on every rank)."""
+        return {"epoch": self.epoch, "batches_consumed": self.batches_consumed}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Resume at ``state``: the next pass starts after ``batches_consumed`` batches of ``epoch``."""
+        self.epoch = int(state["epoch"])
+        self.batches_consumed = int(state["batches_consumed"])
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.sampler is not None:
+            self.sampler.set_epoch(self.epoch)
+            self.sampler.start = self.batches_consumed * (self.loader.batch_size or 1)
+        self.end_of_epoch = False
+        source = iter(self._wrap(self.loader))
+        non_blocking = bool(self.loader.pin_memory)
+        # Look one batch ahead so the last batch is known while it is in use.
+        try:
+            upcoming = next(source)
+        except StopIteration:
+            upcoming = _EXHAUSTED
+        while upcoming is not _EXHAUSTED:
+            current = upcoming
+            try:
+                upcoming = next(source)
+            except StopIteration:
+                upcoming = _EXHAUSTED
+                self.end_of_epoch = True
+            self.batches_consumed += 1
+            yield move_to_device(current, self.device, non_blocking)
+        self.epoch += 1
+        self.batches_consumed = 0
+        self.end_of_epoch = False
+
+
+_EXHAUSTED = object()
+
+
+def shard_data_loader(
+    loader: DataLoader,
+    device: torch.device,
+    num_replicas: int = 1,
+    rank: int = 0,
+    seed: int = 0,
+    wrap: Callable[[Any], Any] = lambda x: x,
+    shard: bool = True,
+) -> ShardedDataLoader:
+    """Give ``loader`` a ``ShardSampler`` for this rank and device placement.
+
+    The sampler shuffles (with ``seed``) when the loader's sampler is a ``RandomSampler`` (i.e.
+    ``shuffle=True``) and keeps the dataset order otherwise. ``loader.batch_size`` is per rank.
+    ``wrap`` is the backend's ``wrap_dataloader`` (XLA's MpDeviceLoader). ``shard=False`` only
+    places batches (for a loader the caller already sharded).
+    """
+    if not shard or isinstance(loader.dataset, IterableDataset):
+        if shard and num_replicas > 1:
+            log.warning(
+                "an IterableDataset cannot be split by index: every rank reads the whole stream unless the "
+                "dataset itself reads RANK and WORLD_SIZE and yields only its share"
+            )
+        return ShardedDataLoader(loader, device, None, wrap)
+    if loader.batch_size is None:
+        raise ValueError(
+            "prepare() cannot shard a DataLoader built with a custom batch_sampler: build it with "
+            "batch_size=... (and shuffle=True/False), or shard it yourself and pass it to "
+            "accelerator.prepare_data_loader(loader, shard=False)"
+        )
+    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+        raise ValueError(
+            f"prepare() cannot shard a DataLoader whose sampler is {type(loader.sampler).__name__}: only "
+            "shuffle=True (RandomSampler) and shuffle=False (SequentialSampler) are re-sampled per rank; "
+            "shard it yourself and pass it to accelerator.prepare_data_loader(loader, shard=False)"
+        )
+    if isinstance(loader.sampler, RandomSampler) and (
+        loader.sampler.replacement or loader.sampler.num_samples != len(loader.dataset)
+    ):
+        raise ValueError(
+            "prepare() cannot shard a RandomSampler with replacement=True or num_samples set: use "
+            "shuffle=True, or shard the loader yourself and pass it with shard=False"
+        )
+    sampler = ShardSampler(
+        len(loader.dataset), num_replicas=num_replicas, rank=rank,
+        shuffle=isinstance(loader.sampler, RandomSampler), seed=seed, drop_last=loader.drop_last,
+    )
+    return ShardedDataLoader(_rebuild(loader, sampler), device, sampler, wrap)

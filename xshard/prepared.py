@@ -1,0 +1,157 @@
+"""The optimizer and LR scheduler that ``Accelerator.prepare`` hands back.
+
+``PreparedOptimizer`` is a ``torch.optim.Optimizer`` (isinstance checks keep working) that forwards
+its state to the user's optimizer and changes only when things happen:
+
+- ``step()`` and ``zero_grad()`` do nothing inside an accumulation window (``sync_gradients`` False);
+- ``step()`` clips to ``config.gradient_clipping`` if the loop did not clip in this step, then steps
+  through the backend (``Backend.optimizer_step``: never a second gradient reduction; XLA ends the
+  graph there) and, for fp16, through the grad scaler (a step with inf/nan gradients is skipped);
+- ``stepped`` tells the scheduler whether the parameters really changed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .accelerator import Accelerator
+
+
+class _BackendStepper:
+    """What the grad scaler sees as "the optimizer": stepping it goes through the backend.
+
+    One object per optimizer for the whole run, because the scaler keys its per-optimizer state
+    (unscaled yet? inf found?) by the object's identity.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, backend: Any) -> None:
+        self.optimizer = optimizer
+        self.backend = backend
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self.backend.optimizer_step(self.optimizer)
+
+
+class PreparedOptimizer(torch.optim.Optimizer):
+    """The user's optimizer, stepped at accumulation boundaries through the backend and scaler."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, accelerator: Accelerator, model: Any = None) -> None:
+        # Optimizer.__init__ is not called on purpose: all state lives in the wrapped optimizer.
+        self.optimizer = optimizer
+        self.accelerator = accelerator
+        self.model = model
+        self.stepped = False
+        self._stepper = _BackendStepper(optimizer, accelerator.backend)
+        self._unscaled = False
+
+    # state forwarding (schedulers and user code read and write these)
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state (over its parameter shards at stages 1-3)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned on the same rank, world size and stage."""
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients, except inside an accumulation window (they are still accumulating)."""
+        if self.accelerator.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def unscale(self) -> None:
+        """Divide the fp16 gradients by the loss scale (once per step; before clipping)."""
+        scaler = self.accelerator.scaler
+        if scaler is not None and not self._unscaled:
+            scaler.unscale_(self._stepper)
+            self._unscaled = True
+
+    def step(self, closure: Any = None) -> None:
+        """Step at the end of an accumulation window; a no-op inside it."""
+        if closure is not None:
+            raise ValueError("a prepared optimizer does not take a closure: compute the loss before step()")
+        self.stepped = False
+        acc = self.accelerator
+        if not acc.sync_gradients:
+            return
+        if acc.gradient_clipping > 0 and not acc._clipped and self.model is not None:
+            acc.clip_grad_norm_(self.model.parameters(), acc.gradient_clipping)
+        scaler = acc.scaler
+        if scaler is None:
+            acc.backend.optimizer_step(self.optimizer)
+            self.stepped = True
+        else:
+            before = scaler.get_scale()
+            scaler.step(self._stepper)
+            scaler.update()
+            # The scale only shrinks when the step was skipped for inf/nan gradients.
+            self.stepped = scaler.get_scale() >= before
+            self._unscaled = False
+        acc._after_step()
+
+    def __repr__(self) -> str:
+        return f"PreparedOptimizer({self.optimizer!r})"
+
+
+class PreparedScheduler:
+    """An LR scheduler that steps once per real optimizer step."""
+
+    def __init__(self, scheduler: Any, optimizer: PreparedOptimizer | None) -> None:
+        self.scheduler = scheduler
+        self.optimizer = optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """Advance the schedule if the optimizer stepped (not in accumulation, not on a skipped fp16 step)."""
+        if self.optimizer is None or self.optimizer.stepped:
+            self.scheduler.step(*args, **kwargs)
+            if self.optimizer is not None:
+                self.optimizer.stepped = False  # one scheduler step per optimizer step
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["scheduler"], name)
