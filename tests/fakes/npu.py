@@ -64,6 +64,9 @@ def _npu_module(calls: NPUCalls, device_count: int, bf16: bool, initialized: boo
     mod.reset_peak_memory_stats = lambda device=None: None
     mod.get_rng_state = lambda device="npu": torch.get_rng_state()
     mod.set_rng_state = lambda state_, device="npu": None
+    # torch.manual_seed seeds every named device module through these two
+    mod.manual_seed_all = lambda seed: None
+    mod._is_in_bad_fork = lambda: False
     if with_amp:
         mod.amp = types.SimpleNamespace(GradScaler=lambda **kw: FakeGradScaler(calls, **kw))
     return mod
@@ -107,8 +110,15 @@ def install_fake_torch_npu(
 
 
 def uninstall_fake_torch_npu() -> None:
-    """Undo ``install_fake_torch_npu`` (the hccl registration and the "npu" device-type name stay:
-    torch cannot undo them)."""
+    """Undo ``install_fake_torch_npu`` as far as torch allows.
+
+    The hccl registration and the "npu" device-type name stay (torch cannot undo them), and once
+    PrivateUse1 is named "npu", torch looks up ``torch.npu`` whenever it asks a device module about
+    every backend (autocast, checkpointing): deleting it would break later tests in this process. So
+    ``torch.npu`` becomes an inert module of a machine with no NPU instead.
+    """
     sys.modules.pop("torch_npu", None)
-    if hasattr(torch, "npu"):
+    if torch._C._get_privateuse1_backend_name() == "npu":
+        torch.npu = _npu_module(NPUCalls(), device_count=0, bf16=False, initialized=False, with_amp=False)
+    elif hasattr(torch, "npu"):
         del torch.npu
