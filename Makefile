@@ -24,9 +24,35 @@ demo: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+	$(MAKE) --no-print-directory test-xla
 
 lint: install
 	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# XLA: real torch_xla on the CPU (PJRT_DEVICE=CPU) in its own environment (.venv-xla), because
+# torch_xla pins the torch release it was built for. Building it takes about 3 minutes and 7 GB.
+XLA_VENV := .venv-xla
+XLA_BIN  := $(XLA_VENV)/bin
+XLA_SPEC ?= torch==2.9.0 torch-xla==2.9.0
+# XLA_SPEC is named again when xshard is installed, so that its dependencies cannot replace torch.
+
+.PHONY: install-xla test-xla clean-xla
+
+$(XLA_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_BIN)/pip install --quiet --upgrade pip
+	$(XLA_BIN)/pip install --quiet $(XLA_SPEC)
+	$(XLA_BIN)/pip install --quiet -e ".[test]" $(XLA_SPEC)
+	$(XLA_BIN)/python -c "import torch, torch_xla; print('torch', torch.__version__, 'torch_xla', torch_xla.__version__)"
+	touch $@
+
+install-xla: $(XLA_VENV)/.installed
+
+test-xla: install-xla
+	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -q -m xla tests
+
+clean-xla:
+	rm -rf $(XLA_VENV)

@@ -111,7 +111,7 @@ def _auto() -> Selection:
     skipped: list[tuple[str, str]] = []
     for name in AUTO_ORDER:
         cls = backend_class(name)
-        why_not = probe(cls)
+        why_not = probe(cls) or cls.auto_skip_reason()
         if why_not is None:
             return Selection(cls, f"auto: first available in the order {', '.join(AUTO_ORDER)}", tuple(skipped))
         skipped.append((name, why_not))

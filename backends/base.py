@@ -115,6 +115,11 @@ class Backend:
         return cls.unavailable_reason() is None
 
     @classmethod
+    def auto_skip_reason(cls) -> str | None:
+        """Why ``auto`` passes over this backend although it can run (XLA on a CPU), or None."""
+        return None
+
+    @classmethod
     def vendor_version(cls) -> str | None:
         """Version of the vendor package (torch_npu, torch_xla), if any."""
         return None

@@ -1,0 +1,378 @@
+"""XLA backend: TPUs (and XLA:CPU for testing) through torch_xla's PJRT runtime.
+
+There is no c10d process group: the world comes from torch_xla's runtime (one replica per device,
+started by torch_xla's launcher), and collectives are ``xm.*`` replica collectives. XLA traces
+lazily, so a training step ends with ``mark_step``; full parameters are freed by replacing the
+tensor, not by resizing storage (XLA tensors have none).
+
+torch_xla is imported lazily: merely having it installed must not make ``auto`` pick XLA on a
+machine without a TPU, so the probe asks for ``PJRT_DEVICE`` or a TPU on the PCI bus first.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from .base import Backend, World
+from .collectives import Collectives
+from .xla_collectives import XLACollectives, XLASingleReplicaCollectives, xla_model
+
+log = logging.getLogger("xshard.backends")
+
+#: PCI vendor id of Google, and the device ids of its TPU chips (v2/v3, v4, v5p, v5e, v6e, 7x),
+#: as listed under /sys/bus/pci/devices/*/{vendor,device}. Google's other PCI devices (the gVNIC
+#: network card of every GCE VM) share the vendor id, so the device id matters. A TPU generation
+#: missing here still works with PJRT_DEVICE=TPU set.
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+_TPU_PCI_DEVICES = frozenset({"0x0027", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076"})
+_PCI_DEVICES = Path("/sys/bus/pci/devices")
+
+
+def tpu_detected(pci_devices: Path = _PCI_DEVICES) -> bool:
+    """Is a Google TPU chip on this machine's PCI bus? (No torch_xla import, no runtime start.)"""
+    try:
+        entries = list(pci_devices.iterdir())
+    except OSError:
+        return False
+    for entry in entries:
+        try:
+            vendor = (entry / "vendor").read_text().strip().lower()
+            if vendor == _GOOGLE_PCI_VENDOR and (entry / "device").read_text().strip().lower() in _TPU_PCI_DEVICES:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def install_hint() -> str:
+    """How to install a torch_xla that matches this torch (torch_xla pins torch's minor version)."""
+    major_minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    return (
+        f"pip install 'torch~={major_minor}.0' 'torch-xla~={major_minor}.0' (torch_xla needs the torch "
+        f"minor version it was built for; if no torch-xla release matches torch {major_minor}, use a "
+        "separate virtual environment with a matching pair, e.g. pip install torch==2.9.0 torch-xla==2.9.0)"
+    )
+
+
+def cpu_replicas_env(world_size: int) -> dict[str, str]:
+    """Environment for ``world_size`` XLA:CPU replicas, to test multi-replica code without a TPU.
+
+    torch_xla's launcher (``xmp.spawn``) then runs one thread per virtual CPU device in one
+    process. Its execution pool must hold every replica at once (``XLA_THREAD_POOL_SIZE``, by
+    default the core count): replicas left waiting for a pool thread never reach a collective the
+    others are blocked in, and XLA:CPU aborts the job after 10 seconds. Set before torch_xla starts.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    return {
+        "PJRT_DEVICE": "CPU",
+        "CPU_NUM_DEVICES": str(world_size),
+        "XLA_THREAD_POOL_SIZE": str(max(world_size, os.cpu_count() or 1)),
+    }
+
+
+def sync_graph() -> None:
+    """Cut the traced graph and run it: ``torch_xla.sync()``, or ``xm.mark_step()`` before 2.6."""
+    import torch_xla
+
+    sync = getattr(torch_xla, "sync", None)
+    if sync is not None:
+        sync()
+    else:
+        xla_model().mark_step()
+
+
+def _runtime() -> Any:
+    return importlib.import_module("torch_xla.runtime")
+
+
+class XLABackend(Backend):
+    """TPUs through torch_xla (PJRT). One replica per device; no torch.distributed process group."""
+
+    name = "xla"
+    device_type = "xla"
+    dist_backend = None
+    # TPU_VISIBLE_CHIPS alone is not enough to carve a TPU VM into jobs: the runtime also needs
+    # TPU_CHIPS_PER_PROCESS_BOUNDS and TPU_PROCESS_BOUNDS to agree with it (see the TPU docs).
+    visible_devices_env = "TPU_VISIBLE_CHIPS"
+    native_avg = False  # torch_xla's process group raises on ReduceOp.AVG: SUM then divide
+    vendor_module = "torch_xla"
+    #: the sharded core replaces a freed full parameter by a 1-element tensor instead of resizing storage
+    frees_storage_by_resize: ClassVar[bool] = False
+
+    def __init__(self, world: World | None = None) -> None:
+        # Reading the world starts the PJRT runtime, which must happen before the first backward
+        # of the process: torch's autograd engine sizes its per-device queues then, and an XLA
+        # backward after a CPU backward that ran before the runtime started fails inside it.
+        super().__init__(world if world is not None else self.runtime_world())
+
+    @staticmethod
+    def runtime_world() -> World:
+        """This replica's place in the job, from torch_xla's runtime (starts the runtime)."""
+        xr = _runtime()
+        return World(
+            rank=int(xr.global_ordinal()),
+            world_size=int(xr.world_size()),
+            local_rank=int(xr.local_ordinal()),
+            local_world_size=int(xr.local_device_count()),
+        )
+
+    # ------------------------------------------------------------------ probing
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if importlib.util.find_spec("torch_xla") is None:
+            return f"torch_xla is not installed: {install_hint()}"
+        if not os.environ.get("PJRT_DEVICE") and not tpu_detected():
+            return (
+                "torch_xla is installed but no XLA device is configured: PJRT_DEVICE is not set and no "
+                "TPU was found on this machine; set PJRT_DEVICE=TPU on a TPU VM (PJRT_DEVICE=CPU runs "
+                "XLA on this CPU, for testing)"
+            )
+        try:
+            importlib.import_module("torch_xla")
+        except (Exception, SystemExit) as exc:  # a torch/torch_xla mismatch fails with undefined symbols
+            return (
+                f"torch_xla {cls.vendor_version()} cannot be imported with torch {torch.__version__} "
+                f"({type(exc).__name__}: {exc}): {install_hint()}"
+            )
+        return None
+
+    @classmethod
+    def auto_skip_reason(cls) -> str | None:
+        """XLA on the CPU is a testing mode: ``auto`` takes XLA for a TPU (or another PJRT device) only.
+
+        ``import torch_xla`` itself sets PJRT_DEVICE=CPU when nothing is set, so any library that
+        imports it (the transformers Trainer does when torch_xla is installed) would otherwise make
+        ``auto`` choose XLA:CPU on a plain or GPU machine.
+        """
+        if os.environ.get("PJRT_DEVICE", "").upper() == "CPU" and not tpu_detected():
+            return (
+                "PJRT_DEVICE=CPU runs XLA on the CPU, a testing mode that auto does not choose (torch_xla "
+                "sets it by itself when imported): ask for it with XSHARD_BACKEND=xla"
+            )
+        return None
+
+    @classmethod
+    def vendor_version(cls) -> str | None:
+        try:
+            return importlib.metadata.version("torch-xla")
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    @staticmethod
+    def runtime_device_type() -> str:
+        """The PJRT device kind the runtime drives: "TPU", "CPU", "CUDA", ..."""
+        return str(_runtime().device_type())
+
+    # ------------------------------------------------------------------ devices
+    def device_count(self) -> int:
+        return int(_runtime().addressable_device_count())
+
+    def device(self, local_rank: int | None = None) -> torch.device:
+        """This replica's XLA device. ``local_rank`` is ignored: PJRT binds each replica to its device."""
+        import torch_xla
+
+        return torch_xla.device()
+
+    def set_device(self, local_rank: int | None = None) -> None:
+        """Nothing to do: the PJRT runtime binds each replica to its device when it starts."""
+
+    def synchronize(self) -> None:
+        """Wait until the device has finished every computation queued so far."""
+        xla_model().wait_device_ops()
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        xla_model().set_rng_state(int(seed), device=self.device())
+
+    def rng_state(self) -> torch.Tensor | None:
+        """The XLA generator's seed, as a one-element uint64 bit pattern stored in an int64 tensor."""
+        seed = int(xla_model().get_rng_state(device=self.device()))
+        return torch.tensor([seed if seed < 2**63 else seed - 2**64], dtype=torch.int64)
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        if state is not None:
+            xla_model().set_rng_state(int(state.item()) % 2**64, device=self.device())
+
+    def memory_stats(self) -> dict[str, int]:
+        """Device bytes in use and at peak, where the PJRT client reports them (TPU, CUDA); else 0."""
+        try:
+            info = xla_model().get_memory_info(self.device())
+        except (RuntimeError, NotImplementedError, AttributeError) as exc:  # XLA:CPU reports nothing
+            log.debug("xla: no memory info from the runtime (%s)", exc)
+            return {"allocated": 0, "peak": 0}
+        used = int(info.get("bytes_used", 0))
+        return {"allocated": used, "peak": int(info.get("peak_bytes_used", used))}
+
+    def reset_peak_memory_stats(self) -> None:
+        """The PJRT runtime has no peak reset; the peak is since the process started."""
+
+    # ------------------------------------------------------------------ precision
+    def supports(self, dtype: torch.dtype) -> bool:
+        """fp32 and bf16 everywhere; fp16 not on TPUs (their matrix units compute in bf16)."""
+        if dtype == torch.float16:
+            return self.runtime_device_type() != "TPU"
+        return dtype in (torch.float32, torch.bfloat16)
+
+    def grad_scaler(self, enabled: bool = True) -> Any:
+        """fp16 loss scaling for XLA:GPU/CPU; refused on TPUs, which train in bf16 without scaling."""
+        if enabled and self.runtime_device_type() == "TPU":
+            raise ValueError(
+                "xla: fp16 with a gradient scaler is not supported on TPUs; use bf16 instead "
+                "(TPUs compute in bf16 natively and need no loss scaling)"
+            )
+        return super().grad_scaler(enabled)
+
+    # ------------------------------------------------------------------ distributed
+    def _make_collectives(self) -> Collectives:
+        if self.world.world_size == 1:
+            return XLASingleReplicaCollectives()
+        # XLA:CPU replicas are threads that compile their own copies of each graph (see
+        # XLACollectives.channel_ids); TPU replicas keep torch_xla's defaults (pinned layouts).
+        return XLACollectives(
+            self.world.rank, self.world.world_size, channel_ids=self.runtime_device_type() == "CPU"
+        )
+
+    # ------------------------------------------------------------------ training hooks
+    def mark_step(self) -> None:
+        """Cut the traced graph here and run it (torch_xla.sync, or xm.mark_step on older torch_xla)."""
+        sync_graph()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` then ``mark_step``; never xm.optimizer_step's gradient all-reduce."""
+        optimizer.step()
+        self.mark_step()
+
+    def checkpoint_wrapper(self, module: torch.nn.Module) -> torch.nn.Module:
+        """torch_xla's ``checkpoint_module``: recompute in backward, behind optimization barriers.
+
+        The barriers stop the compiler from merging the recompute with the forward (which would
+        keep the activations alive after all). The module's forward is replaced in place, so
+        parameter names and state-dict keys do not change.
+        """
+        if getattr(module, "_xshard_checkpointed", False):
+            return module
+        from torch_xla.distributed.fsdp import checkpoint_module
+
+        wrapped = checkpoint_module(module)
+        if wrapped is not module:  # a future torch_xla that wraps instead: keep the user's names
+            module.forward = wrapped.forward
+        module._xshard_checkpointed = True
+        return module
+
+    def wrap_dataloader(self, loader: Any) -> Any:
+        """torch_xla's MpDeviceLoader: batches are moved to the device in the background."""
+        from torch_xla.distributed.parallel_loader import MpDeviceLoader
+
+        return MpDeviceLoader(loader, self.device())
+
+    def launcher(self) -> str:
+        return "xla"
+
+    def patch_optimizer_step(self) -> OptimizerStepPatch:
+        """Make ``xm.optimizer_step`` a plain step while a sharded model is active (undo: ``restore``)."""
+        return OptimizerStepPatch()
+
+    # ------------------------------------------------------------------ reporting
+    def describe(self) -> dict[str, Any]:
+        facts = super().describe()
+        facts["pjrt_device"] = os.environ.get("PJRT_DEVICE")
+        try:
+            facts["runtime_device_type"] = self.runtime_device_type()
+        except Exception as exc:  # a report must not crash on a half-working runtime
+            facts["runtime_device_type"] = f"unknown ({type(exc).__name__}: {exc})"
+        return facts
+
+
+class OptimizerStepPatch:
+    """``xm.optimizer_step`` replaced by ``optimizer.step(**optimizer_args)`` (+ sync if ``barrier``).
+
+    Scripts written for torch_xla's data parallelism call ``xm.optimizer_step(optimizer)``, which
+    all-reduces every gradient first. Under the sharded core the gradients are already reduced
+    (and sharded), so that all-reduce would be wrong and wasteful. Same idea as the Hugging Face
+    Trainer's XLA FSDP path, but scoped: ``restore()`` (or leaving the ``with`` block) puts the
+    original function back. Code that did ``from torch_xla.core.xla_model import optimizer_step``
+    before the patch keeps the original.
+
+    The patch is process-wide and counted: replicas that are threads of one process (XLA:CPU,
+    TPU v2/v3 cores) each apply and restore it, and the original comes back with the last restore.
+    """
+
+    _lock = threading.Lock()
+    _holders = 0
+    _original: Callable[..., Any] | None = None
+    _replacement: Callable[..., Any] | None = None
+    _announced = False  # log the first patched call once per process
+
+    def __init__(self) -> None:
+        self.active = True
+        with OptimizerStepPatch._lock:
+            xm = xla_model()
+            if OptimizerStepPatch._holders == 0:
+                original = xm.optimizer_step
+
+                @functools.wraps(original)
+                def optimizer_step(
+                    optimizer: torch.optim.Optimizer,
+                    barrier: bool = False,
+                    optimizer_args: dict | None = None,
+                    groups: Any = None,
+                    pin_layout: bool = True,
+                ) -> Any:
+                    return _step_without_reduce(optimizer, barrier, optimizer_args)
+
+                OptimizerStepPatch._original = original
+                OptimizerStepPatch._replacement = optimizer_step
+                xm.optimizer_step = optimizer_step
+            OptimizerStepPatch._holders += 1
+            self.original = OptimizerStepPatch._original
+            self.replacement = OptimizerStepPatch._replacement
+
+    def restore(self) -> None:
+        """Release this patch; the last release puts the original back (idempotent)."""
+        with OptimizerStepPatch._lock:
+            if not self.active:
+                return
+            self.active = False
+            OptimizerStepPatch._holders -= 1
+            if OptimizerStepPatch._holders > 0:
+                return
+            xm = xla_model()
+            if xm.optimizer_step is self.replacement:
+                xm.optimizer_step = self.original
+            else:
+                log.warning(
+                    "xm.optimizer_step was replaced again after xshard patched it; leaving the newer "
+                    "replacement in place (undo patches in the reverse order of applying them)"
+                )
+
+    def __enter__(self) -> OptimizerStepPatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+def _step_without_reduce(optimizer: torch.optim.Optimizer, barrier: bool, optimizer_args: dict | None) -> Any:
+    """The body of the patched ``xm.optimizer_step``: step, and sync the graph if ``barrier``."""
+    if not OptimizerStepPatch._announced:
+        OptimizerStepPatch._announced = True
+        log.info(
+            "xm.optimizer_step: stepping without its gradient all-reduce, because the sharded "
+            "model already reduced the gradients"
+        )
+    loss = optimizer.step(**(optimizer_args or {}))
+    if barrier:
+        sync_graph()
+    return loss
