@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(BIN)/torchrun --standalone --nproc_per_node 2 examples/minimal.py
+	$(BIN)/xshard launch --nproc 2 examples/minimal.py
 
 test: install
 	$(BIN)/ruff check .
