@@ -131,8 +131,13 @@ def test_bad_values_are_named(in_run_dir, capsys, extra, message):
 
 
 def test_required_arguments(capsys):
-    err = parse_error("--data_path d --output_dir o", capsys)
-    assert "--model_name_or_path" in err and "required" in err
+    err = parse_error("--model_name_or_path m --data_path d", capsys)
+    assert "--output_dir" in err and "required" in err
+
+
+def test_model_and_data_default_to_the_offline_tiny_setup():
+    args = parse("--output_dir o")
+    assert args.model_name_or_path is None and args.data_path is None
 
 
 @pytest.mark.parametrize("script", ["run_npu8.sh", "run_tiny_cpu.sh"])

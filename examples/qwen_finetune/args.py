@@ -35,9 +35,9 @@ FSDP_WORDS = ("full_shard", "shard_grad_op", "no_shard", "offload", "auto_wrap")
 class FinetuneArguments:
     """Everything finetune.py is told on its command line (Trainer names and defaults)."""
 
-    model_name_or_path: str
-    data_path: str
     output_dir: str
+    model_name_or_path: str | None = None  # None: the tiny offline Qwen2 of tiny.py
+    data_path: str | None = None  # None: the shipped synthetic Alpaca data
     config: str | None = None
     deepspeed: str | None = None
     fsdp: str = ""
@@ -161,8 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(name, type=str_to_bool, nargs="?", const=True, default=default, metavar="True|False",
                        help=help_text)
 
-    p.add_argument("--model_name_or_path", required=True, help="local model folder (or hub name when online)")
-    p.add_argument("--data_path", required=True, help="Alpaca-format .json list or .jsonl file")
+    p.add_argument("--model_name_or_path", help="local Hugging Face model folder (default: a tiny random Qwen2 "
+                   "and a tokenizer built offline)")
+    p.add_argument("--data_path", help="Alpaca-format .json list or .jsonl file (default: the shipped "
+                   "data/alpaca_synthetic.json)")
     p.add_argument("--output_dir", required=True, help="where checkpoints and the final model go")
     p.add_argument("--config", help="xshard config, DeepSpeed ds_config.json or Accelerate FSDP yaml")
     p.add_argument("--deepspeed", help="DeepSpeed ds_config.json (same as --config)")
@@ -191,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_grad_norm", type=_non_negative_float, default=d.max_grad_norm, help="0 disables clipping")
     p.add_argument("--seed", type=_int, default=d.seed)
     p.add_argument("--logging_steps", type=_positive_int, default=d.logging_steps)
-    p.add_argument("--resume_from_checkpoint", help="checkpoint folder to resume from")
+    p.add_argument("--resume_from_checkpoint", help="checkpoint folder to resume from, or True: the latest complete "
+                   "checkpoint in --output_dir")
     return p
 
 

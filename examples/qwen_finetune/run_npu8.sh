@@ -2,7 +2,10 @@
 # The openMind guide's Qwen1.5-7B-Chat Alpaca fine-tune on 8 Ascend NPUs, run on xshard.
 # Same arguments as the guide; DeepSpeed's config file is read by xshard (no DeepSpeed needed).
 #   MODEL=/path/to/qwen1.5_7b_chat DATA=/path/to/alpaca_data.json bash run_npu8.sh
+# MODEL is a local folder (the run is offline); each rank reads only its shard of the weights.
 # Check the memory first:  xshard estimate --model "$MODEL" --nproc 8 --stage 3 --device-memory 64GB
+# Same run with xshard's launcher:  XSHARD_BACKEND=npu xshard launch --nproc 8 finetune.py <the arguments below>
+# Resume after an interruption: add  --resume_from_checkpoint True  (the latest complete checkpoint in OUTPUT)
 set -euo pipefail
 cd "$(dirname "$0")"
 MODEL=${MODEL:-PyTorch-NPU/qwen1.5_7b_chat}
@@ -10,7 +13,6 @@ DATA=${DATA:-alpaca_data.json}
 DS_CONFIG=${DS_CONFIG:-ds_config_zero3.json}
 OUTPUT=${OUTPUT:-./test/output}
 
-rm -rf "$OUTPUT"
 mkdir -p "$OUTPUT"
 
 # (The guide's own script has `"PyTorch-NPU/qwen1.5_7b_chat"\` with no space before the backslash,

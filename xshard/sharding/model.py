@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -59,6 +60,12 @@ class ShardedModel(nn.Module):
         if self._stage == 0 and offload:
             raise ValueError("offload_params/offload_optimizer need stage 1, 2 or 3 (stage 0 replicates "
                              "everything on the device): set stage >= 1 or turn offload off")
+        # Meta-parameter hook: at stages 1-3 meta parameters get empty shards that
+        # xshard.sharding.materialize fills; stage 0 and sync_module_states need real values.
+        if (self._stage == 0 or options.sync_module_states) and any(p.is_meta for p in module.parameters()):
+            raise ValueError("the model has parameters on the meta device: stage 0 and sync_module_states need "
+                             "real values. Load the weights first, or use stage 1-3 and fill the shards with "
+                             "xshard.sharding.materialize (xshard.pretrained.from_pretrained_sharded does both)")
         # stage 0 with compute copies in another dtype runs through units that shard nothing
         replicated_units = self._stage == 0 and options.param_dtype not in (
             None, *{p.dtype for p in module.parameters()})
@@ -80,9 +87,12 @@ class ShardedModel(nn.Module):
             unit_modules = [s.module for s in specs[1:]]
             leaves = [m for m in unit_modules
                       if not any(o is not m and any(o is x for x in m.modules()) for o in unit_modules)]
-            if not leaves:
-                log.warning("activation_checkpointing: no unit other than the root to checkpoint "
-                            "(auto_wrap_policy=%r)", options.auto_wrap_policy)
+            if not leaves:  # as the HF Trainer refuses xla_fsdp_grad_ckpt without auto wrap
+                raise ValueError(
+                    f"activation_checkpointing (xla_fsdp_grad_ckpt) checkpoints each auto-wrapped unit, but "
+                    f"auto_wrap_policy={options.auto_wrap_policy!r} made no unit besides the root: use "
+                    "auto_wrap_policy='transformer' with transformer_layer_cls_to_wrap naming the model's "
+                    "layer class (default: model._no_split_modules), or 'size' with min_num_params")
             for m in leaves:
                 backend.checkpoint_wrapper(m)
         if options.keep_norms_fp32 and options.param_dtype not in (None, torch.float32):
@@ -97,6 +107,11 @@ class ShardedModel(nn.Module):
             self.units = [Unit(s, self._rt, is_root=(i == 0)) for i, s in enumerate(specs)]
             self._engine = ShardEngine(self.units, options)
             self._num_units = len(self.units)
+        # Sharded gradients must not be reduced again by a script's own step call (xm.optimizer_step
+        # on XLA): backends that have such a call patch it while this model lives (see close()).
+        patch = getattr(backend, "patch_optimizer_step", None) if self._stage >= 1 else None
+        self._step_patch = patch() if patch is not None else None
+        self._finalizer = weakref.finalize(self, self._step_patch.restore) if self._step_patch else None
 
     # ------------------------------------------------------------------ module protocol
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -154,6 +169,16 @@ class ShardedModel(nn.Module):
     def _mark_stale(self) -> None:
         for unit in self.units:
             unit.stale = True
+
+    def close(self) -> None:
+        """Detach the core from the module: remove its hooks and undo backend patches (idempotent).
+
+        Undoes the backend's step patch (``xm.optimizer_step`` on XLA) that stages 1-3 hold while
+        the model lives; ``Accelerator.end()`` calls this, and so does garbage collection.
+        """
+        self._engine.remove_hooks()
+        if self._finalizer is not None:
+            self._finalizer()
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, Any]:

@@ -76,6 +76,8 @@ def rehome(spec, data: torch.Tensor) -> nn.Parameter:
     the optimizer after sharding, or move the model to ``backend.device()`` first.
     """
     p = spec.param
+    if p.is_meta:  # meta-parameter hook (see materialize.py): nothing can hold a meta Parameter usefully yet
+        return _replace_param(spec, data)
     if torch._has_compatible_shallow_copy_type(p, data):
         p.data = data
         return p
@@ -83,7 +85,12 @@ def rehome(spec, data: torch.Tensor) -> nn.Parameter:
         f"parameters on {p.device.type} cannot take data on {data.device.type} in place, so they were replaced "
         "by new Parameters: an optimizer built before sharding holds the old ones. Move the model to "
         "backend.device() before sharding (or build the optimizer after)", stacklevel=4)
-    new = nn.Parameter(data, requires_grad=p.requires_grad)
+    return _replace_param(spec, data)
+
+
+def _replace_param(spec, data: torch.Tensor) -> nn.Parameter:
+    """A new Parameter holding ``data``, registered in every place the old one was."""
+    new = nn.Parameter(data, requires_grad=spec.param.requires_grad)
     for module, attr in spec.places:
         module._parameters[attr] = new
     spec.param = new
@@ -103,12 +110,14 @@ class ShardedParam:
         self.trainable = p.requires_grad
         g = self.geom
         with torch.no_grad():
-            flat = p.detach().reshape(-1)
-            start = rt.rank * g.seg
             self.padded = torch.zeros(g.seg, dtype=p.dtype, device=rt.shard_device)
-            self.padded[: g.local_numel].copy_(flat[start:start + g.local_numel])
+            # Meta-parameter hook: a parameter on the meta device has no values yet; its shard is
+            # allocated (zeros) and filled afterwards by xshard.sharding.materialize.
+            if not p.is_meta:
+                start = rt.rank * g.seg
+                self.padded[: g.local_numel].copy_(p.detach().reshape(-1)[start:start + g.local_numel])
             full = torch.empty(g.shape, dtype=gather_dtype, device=rt.device)
-            if rt.stage < 3:  # stages 1-2 keep the full copy resident; start from the local values
+            if rt.stage < 3 and not p.is_meta:  # stages 1-2 keep the full copy resident; start from local values
                 full.copy_(p.detach())
             self.full = nn.Parameter(full, requires_grad=p.requires_grad)
             self.user = rehome(spec, self.padded[: g.local_numel].view(g.local_shape))

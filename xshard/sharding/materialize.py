@@ -1,0 +1,143 @@
+"""Build a model without its weights, then give each rank only its own rows.
+
+A large model must not be built in full on every rank of a host (8 ranks x 15 GB of a 7B model).
+The way round it has three steps:
+
+1. ``meta_parameters()``: build the model with every *parameter* on the meta device (shapes and
+   dtypes, no storage). Buffers stay real and are computed by the modules' own constructors, which
+   is the one place that knows how: a rotary embedding's ``inv_freq`` is a non-persistent buffer
+   that no checkpoint holds, so building it on the meta device too would leave nothing to load it
+   from. Tied weights stay tied (the same meta Parameter is registered twice).
+2. ``shard_model`` (stages 1-3) gives each meta parameter an empty dim-0 shard of this rank's rows
+   (the core's meta-parameter hook in ``unit.py``), and never a full copy with values.
+3. ``fill_shards(model, read_rows)`` asks ``read_rows`` for exactly this rank's rows of every
+   parameter (e.g. a safetensors slice), and copies them into the shard.
+
+Stage 0 replicates the whole model on every rank anyway, so there ``fill_parameters`` gives each
+meta parameter its full value before ``shard_model``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+#: ``read_rows(names, start, stop, shape, dtype)``: rows ``start:stop`` (dim 0) of the tensor stored
+#: under the first of ``names`` that exists (a tied parameter has several names). ``shape`` and
+#: ``dtype`` are the parameter's, for checking and for readers that must agree on a dtype (the
+#: returned tensor may have another; it is cast on copy). A 0-dim tensor is asked for as rows 0:1.
+RowReader = Callable[[list[str], int, int, torch.Size, torch.dtype], torch.Tensor]
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Inside the block, every parameter a module registers is moved to the meta device.
+
+    Tensors created before registration (``nn.Linear``'s ``torch.empty``) are allocated but never
+    written, so their pages are never touched, and initialisation after registration runs on meta.
+    Not thread-safe (it patches ``nn.Module.register_parameter`` for the duration of the block).
+    """
+    original = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+@dataclass(frozen=True)
+class RowRange:
+    """The dim-0 rows ``[start, stop)`` of a parameter that one rank holds."""
+
+    start: int
+    stop: int
+
+
+def shard_rows(shape: torch.Size, world_size: int, rank: int) -> RowRange:
+    """The rows of a parameter of ``shape`` that ``rank`` holds (the core's dim-0 layout, ``layout.py``)."""
+    d0 = shape[0] if len(shape) else 1
+    per_rank = -(-d0 // world_size) if d0 else 0
+    start = min(rank * per_rank, d0)
+    return RowRange(start, min(start + per_rank, d0))
+
+
+def parameter_names(module: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every qualified name it is registered under (tied weights have several)."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def _read(read_rows: RowReader, names: list[str], rows: RowRange, shape: torch.Size,
+          dtype: torch.dtype) -> torch.Tensor:
+    value = read_rows(names, rows.start, rows.stop, shape, dtype)
+    want = (rows.stop - rows.start, *shape[1:]) if len(shape) else (1,)
+    if value.numel() != _numel(want):
+        raise ValueError(f"{names[0]}: the checkpoint gave rows of shape {tuple(value.shape)} for rows "
+                         f"{rows.start}:{rows.stop} of a parameter of shape {tuple(shape)}; the checkpoint does "
+                         "not match the model's config")
+    return value.reshape(want)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def fill_shards(model: nn.Module, read_rows: RowReader) -> int:
+    """Fill every shard of a ``ShardedModel`` (stages 1-3) with this rank's rows from ``read_rows``.
+
+    Every rank must call it (a reader may run collectives), units in order. Returns the number of
+    elements read. The units are marked stale, so the next forward gathers the new values.
+    """
+    names = parameter_names(model.module)
+    read = 0
+    with torch.no_grad():
+        for unit in model.units:
+            rank, world = unit.rt.rank, unit.rt.world_size
+            for sp in unit.params:
+                rows = shard_rows(sp.geom.shape, world, rank)
+                value = _read(read_rows, names[id(sp.user)], rows, sp.geom.shape, sp.dtype)
+                sp.user.copy_(value.reshape(sp.geom.local_shape))
+                read += value.numel()
+            unit.stale = True
+    return read
+
+
+def fill_parameters(module: nn.Module, read_rows: RowReader, device: torch.device | str = "cpu") -> int:
+    """Give every meta parameter of ``module`` its full value (stage 0, one process); ties are kept.
+
+    Each parameter is replaced by a real Parameter in every place that registered it. Returns the
+    number of elements read.
+    """
+    names = parameter_names(module)
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for attr, p in sub._parameters.items():
+            if p is not None and p.is_meta:
+                places.setdefault(id(p), []).append((sub, attr))
+                params[id(p)] = p
+    read = 0
+    with torch.no_grad():
+        for key, p in params.items():
+            rows = shard_rows(p.shape, 1, 0)
+            value = _read(read_rows, names[key], rows, p.shape, p.dtype).reshape(p.shape)
+            real = nn.Parameter(value.to(device=device, dtype=p.dtype), requires_grad=p.requires_grad)
+            for sub, attr in places[key]:
+                sub._parameters[attr] = real
+            read += value.numel()
+    return read
