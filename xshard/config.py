@@ -182,7 +182,9 @@ class XShardConfig:
             if not where:
                 raise
             raise XShardConfigError(f"{exc} [set by: {'; '.join(where)}]", exc.fields) from None
-        if reading.ignored:  # one warning, after the config proved valid
+        # One warning, after the config proved valid, and from one process: every rank of a job reads
+        # the same file (torchrun's RANK; a process outside a job has none and warns).
+        if reading.ignored and env.get("RANK", "0") == "0":
             warnings.warn(
                 f"{reading.source}: these keys have no effect in xshard and are ignored: "
                 f"{', '.join(reading.ignored)}", XShardConfigWarning, stacklevel=3)
