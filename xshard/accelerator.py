@@ -39,6 +39,7 @@ import datetime
 import os
 import random
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -131,6 +132,8 @@ class Accelerator:
         self._schedulers: list[PreparedScheduler] = []
         self._loaders: list[ShardedDataLoader] = []
         self._micro_step = 0
+        #: real optimizer steps taken (saved in checkpoints; orders them for ``resume_from_checkpoint``)
+        self.step = 0
         self._sync_gradients = True
         self._clipped = False
         self._ended = False
@@ -324,6 +327,7 @@ class Accelerator:
     def _after_step(self) -> None:
         """Called by a prepared optimizer after a real step."""
         self._clipped = False
+        self.step += 1
 
     # ------------------------------------------------------------------ collectives and processes
     def gather(self, data: Any) -> Any:
@@ -390,24 +394,47 @@ class Accelerator:
             return model.full_state_dict(rank0_only=True)
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
-    def save_state(self, directory: str | os.PathLike) -> None:
-        """Save models (full weights), optimizer shards, schedulers, loaders, scaler and RNG to ``directory``."""
+    def save_state(self, directory: str | os.PathLike, state_dict_type: str | None = None,
+                   save_total_limit: int | None = None) -> Path:
+        """Save models, optimizers, schedulers, loaders' positions, scaler, RNG and step to ``directory``.
+
+        Atomic: the folder appears complete or not at all. ``state_dict_type`` ("full", "local",
+        "sharded"; default: the config's) is described in ``xshard.checkpoint_formats``.
+        ``save_total_limit`` keeps only the newest N complete checkpoints in ``directory``'s parent.
+        Every rank must call it. Returns the checkpoint's path.
+        """
         from .checkpoint import save_state
 
-        save_state(self, directory)
+        return save_state(self, directory, state_dict_type, save_total_limit)
 
-    def load_state(self, directory: str | os.PathLike) -> None:
-        """Restore everything ``save_state`` wrote (same world size and stage)."""
-        from .checkpoint import load_state
+    def load_state(self, directory: str | os.PathLike, resume_from_checkpoint: bool = False) -> Path | None:
+        """Restore everything ``save_state`` wrote; returns the folder loaded.
 
-        load_state(self, directory)
+        With ``resume_from_checkpoint=True``, ``directory`` is the output folder that holds the
+        checkpoints: the newest complete one is loaded (incomplete ones are skipped with a warning),
+        and None is returned when there is none yet. A "sharded" checkpoint loads on any world size
+        and stage; "full" and "local" ones need the same world size and stage. A bad checkpoint
+        raises ``xshard.checkpoint.CheckpointError`` naming the file and key, and changes nothing.
+        """
+        from .checkpoint import load_state, resume
+
+        if resume_from_checkpoint:
+            return resume(self, directory)
+        return load_state(self, directory)
 
     def end(self) -> None:
-        """Leave the process group (call once at the end of training; safe to call twice)."""
+        """Leave the process group and undo the prepared models' backend patches (safe to call twice)."""
         if not self._ended:
             self.wait_for_everyone()
+            self._close_models()
             self.backend.destroy_process_group()
             self._ended = True
+
+    def _close_models(self) -> None:
+        for model in self._models:
+            close = getattr(model, "close", None)
+            if close is not None:
+                close()
 
     def __enter__(self) -> Accelerator:
         return self
@@ -416,6 +443,7 @@ class Accelerator:
         if exc[0] is None:
             self.end()
         else:  # do not wait at a barrier for ranks that may be gone
+            self._close_models()
             self.backend.destroy_process_group()
             self._ended = True
 

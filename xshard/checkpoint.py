@@ -1,22 +1,26 @@
 """Save and resume a training job: ``Accelerator.save_state`` / ``load_state``.
 
-Layout of a checkpoint directory:
+A checkpoint folder holds:
 
-    xshard_state.json            world size, stage, counts of each object (checked on load)
-    model.safetensors            full weights of the first prepared model (model_1... for more)
-    optimizer.rank{R}.pt         rank R's optimizer state (over its shards at stages 1-3)
-    scheduler.pt                 LR schedulers' states (a list)
-    data.pt                      prepared data loaders' positions (epoch, batches consumed)
-    scaler.pt                    fp16 grad scaler state
-    rng.rank{R}.pt               torch CPU, device, python and numpy RNG states of rank R
+    xshard_state.json            the manifest, written last: format version, xshard version, world size,
+                                 stage, backend, state_dict_type, step, the xshard config, row tables of
+                                 every tensor, and the size and sha256 of every other file
+    model*.safetensors           model weights (checkpoint_formats.py: full, local or sharded layout)
+    optimizer*                   optimizer state (per rank, or by rows for "sharded")
+    scheduler.pt data.pt         LR schedulers, data loaders' positions (epoch, batches consumed)
+    scaler.pt                    fp16 grad scaler (when there is one)
+    rng.rank{R}.pt               python, numpy, torch and device RNG states of rank R
+    config.json                  the first model's own config, when it has ``config.to_json_string``
+                                 (a transformers model): ``xshard consolidate`` then writes a
+                                 ``from_pretrained`` folder
 
-The directory appears atomically: every rank writes into ``<dir>.tmp``, each file is fsync'ed, then
-rank 0 renames the folder into place (an existing checkpoint of the same name is replaced only
-after the new one is complete). All ranks must see the same filesystem (one node, or a shared
-one). Full weights are gathered to rank 0 and written as safetensors, so a checkpoint loads into
-any other tool; optimizer state is saved per rank, so resuming needs the same world size and stage.
-Gradients accumulated inside an unfinished accumulation window are not saved (a warning says so):
-save at the end of a window to resume exactly.
+Saving is atomic (checkpoint_io.py): a crash or a killed rank leaves the previous checkpoint intact
+and a ``.tmp`` folder that ``latest_checkpoint`` skips. Loading reads only safetensors and
+``torch.load(weights_only=True)``, checks every file's size and checksum, the model's keys and
+shapes and the job's compatibility on every rank *before* anything changes; the ranks agree on the
+outcome, so a bad checkpoint raises the same error everywhere and leaves the running job untouched.
+All ranks must see the same filesystem (one node, or a shared one). Gradients accumulated inside an
+unfinished accumulation window are not saved (a warning says so): save at the end of a window.
 """
 
 from __future__ import annotations
@@ -24,91 +28,64 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import checkpoint_formats as formats
+from .checkpoint_io import (
+    FORMAT_VERSION,
+    MANIFEST,
+    OLD_SUFFIX,
+    CheckpointError,
+    CheckpointMismatchError,
+    FileWriter,
+    begin,
+    commit,
+    latest_checkpoint,
+    load_torch,
+    read_manifest,
+    rotate,
+    write_manifest,
+)
 from .log import get_logger
 
 if TYPE_CHECKING:
     from .accelerator import Accelerator
 
+__all__ = ["CheckpointError", "CheckpointMismatchError", "latest_checkpoint", "load_state", "save_state"]
+
 log = get_logger("xshard.checkpoint")
 
-STATE_FILE = "xshard_state.json"
-FORMAT_VERSION = 1
+_COUNTS = ("models", "optimizers", "schedulers", "data_loaders", "fp16_scaler")
 
 
-class CheckpointMismatchError(ValueError):
-    """The checkpoint was written by a job that does not match this one (world size, stage, objects)."""
-
-
-def _model_file(i: int) -> str:
-    return "model.safetensors" if i == 0 else f"model_{i}.safetensors"
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some filesystems do not allow opening a directory
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _save_torch(obj: Any, path: Path) -> None:
-    torch.save(obj, path)
-    _fsync_file(path)
-
-
-def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory (tied weights): give each key its own copy."""
-    seen: set[tuple[int, int]] = set()
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in state.items():
-        t = tensor.detach().contiguous()
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else (id(t), 0)
-        out[key] = t.clone() if ident in seen else t
-        seen.add(ident)
-    return out
-
-
-def _load(path: Path) -> Any:
-    # Not weights_only: the files hold python and numpy RNG states, written by save_state.
-    return torch.load(path, weights_only=False)
-
-
-def _meta(acc: Accelerator) -> dict[str, Any]:
+def _job(acc: Accelerator) -> dict[str, Any]:
     return {
-        "format": FORMAT_VERSION,
         "world_size": acc.world_size,
         "stage": acc.sharding_options().stage,
+        "backend": acc.backend.name,
         "models": len(acc._models),
         "optimizers": len(acc._optimizers),
         "schedulers": len(acc._schedulers),
         "data_loaders": len(acc._loaders),
         "fp16_scaler": acc.scaler is not None,
-        "micro_step": acc._micro_step,
     }
 
 
 def _rng_state(acc: Accelerator) -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                             "device": acc.backend.rng_state()}
+    # Plain tensors, tuples and ints only, so that torch.load(weights_only=True) reads it back.
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    device = acc.backend.rng_state()
+    if device is not None:
+        state["device"] = device.detach().cpu()
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
     except ImportError:
         pass
     return state
@@ -121,15 +98,28 @@ def _set_rng_state(acc: Accelerator, state: dict[str, Any]) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-def save_state(acc: Accelerator, directory: str | os.PathLike) -> Path:
-    """Write the job's state to ``directory`` (all ranks call this); returns the final path."""
-    from safetensors.torch import save_file
+def _model_config(model: Any) -> str | None:
+    config = getattr(getattr(model, "module", model), "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    return to_json() if callable(to_json) else None
 
+
+def save_state(acc: Accelerator, directory: str | os.PathLike, state_dict_type: str | None = None,
+               save_total_limit: int | None = None) -> Path:
+    """Write the job's state to ``directory`` (every rank calls this); returns the final path.
+
+    ``state_dict_type``: "full", "local" or "sharded" (default: the config's). ``save_total_limit``:
+    afterwards keep only that many complete checkpoints in ``directory``'s parent folder, deleting the
+    oldest (never the one just written).
+    """
+    kind = state_dict_type or acc.config.state_dict_type
+    if kind not in formats.STATE_DICT_TYPES:
+        raise ValueError(f"state_dict_type={kind!r}: use one of {', '.join(formats.STATE_DICT_TYPES)}")
     final = Path(directory)
-    tmp = final.with_name(final.name + ".tmp")
     if acc._micro_step != 0:
         warnings.warn(
             f"save_state({str(final)!r}) inside an accumulation window ({acc._micro_step} of "
@@ -138,84 +128,174 @@ def save_state(acc: Accelerator, directory: str | os.PathLike) -> Path:
             "at the end of a window (when accelerator.sync_gradients is True) to resume exactly.",
             stacklevel=3,
         )
-    if acc.is_main_process:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+    tmp = begin(final, acc.is_main_process)
     acc.wait_for_everyone()
+    acc.backend.mark_step()  # compiled devices: materialise pending updates before reading tensors
 
-    # Every rank takes part in gathering full weights; rank 0 writes them.
-    for i, model in enumerate(acc._models):
-        weights = acc.full_state_dict(model)
+    writer = FileWriter(tmp, acc.rank)
+    tables: dict[str, Any] = {}
+    models = acc._models
+    for i, model in enumerate(models):
+        if kind == "full":
+            weights = acc.full_state_dict(model)  # every rank takes part; complete on rank 0
+            if acc.is_main_process:
+                tables[f"model{i}"] = formats.write_full_model(writer, i, weights)
+            del weights
+        else:
+            tables[f"model{i}"] = formats.write_model_rows(writer, i, model)
+    groups = []
+    if kind == "sharded":
+        for i, opt in enumerate(acc._optimizers):
+            tables[f"optimizer{i}"], record = formats.write_optimizer_rows(writer, i, opt.optimizer, models)
+            groups.append(record)
         if acc.is_main_process:
-            path = tmp / _model_file(i)
-            save_file(_untie(weights), str(path), metadata={"format": "pt"})
-            _fsync_file(path)
-        del weights
-    rank = acc.rank
-    _save_torch([opt.state_dict() for opt in acc._optimizers], tmp / f"optimizer.rank{rank}.pt")
-    _save_torch(_rng_state(acc), tmp / f"rng.rank{rank}.pt")
+            writer.torch("optimizer.groups.pt", groups)
+    else:
+        writer.torch(f"optimizer.rank{acc.rank}.pt", [opt.state_dict() for opt in acc._optimizers])
+    writer.torch(f"rng.rank{acc.rank}.pt", _rng_state(acc))
     if acc.is_main_process:
-        _save_torch([s.state_dict() for s in acc._schedulers], tmp / "scheduler.pt")
-        _save_torch([d.state_dict() for d in acc._loaders], tmp / "data.pt")
+        writer.torch("scheduler.pt", [s.state_dict() for s in acc._schedulers])
+        writer.torch("data.pt", [d.state_dict() for d in acc._loaders])
         if acc.scaler is not None:
-            _save_torch(acc.scaler.state_dict(), tmp / "scaler.pt")
-        meta_path = tmp / STATE_FILE
-        meta_path.write_text(json.dumps(_meta(acc), indent=2))
-        _fsync_file(meta_path)
+            writer.torch("scaler.pt", acc.scaler.state_dict())
+        config_json = _model_config(models[0]) if models else None
+        if config_json is not None:
+            writer.text("config.json", config_json)
+    # Each rank's file list and row tables travel to rank 0 through the shared folder.
+    fragment = tmp / f"fragment.rank{acc.rank}.json"
+    fragment.write_text(json.dumps({"files": writer.files, "tables": tables}, default=str))
     acc.wait_for_everyone()
 
     if acc.is_main_process:
-        _fsync_dir(tmp)
-        old = final.with_name(final.name + ".old")
-        if final.exists():
-            if old.exists():
-                shutil.rmtree(old)
-            final.rename(old)
-        tmp.rename(final)
-        _fsync_dir(final.parent)
-        if old.exists():
-            shutil.rmtree(old)
-        log.info("saved checkpoint to %s", final)
+        from . import __version__
+
+        files: dict[str, Any] = {}
+        parts: dict[str, list[dict[str, Any]]] = {}
+        for rank in range(acc.world_size):
+            path = tmp / f"fragment.rank{rank}.json"
+            part = json.loads(path.read_text())
+            path.unlink()
+            files.update(part["files"])
+            for name, table in part["tables"].items():
+                parts.setdefault(name, []).append(table)
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "xshard_version": __version__,
+            "state_dict_type": kind,
+            **_job(acc),
+            "step": acc.step,
+            "micro_step": acc._micro_step,
+            "config": acc.config.to_dict(),
+            "tables": {name: formats.merge_tables(p) for name, p in parts.items()},
+            "files": files,
+        }
+        write_manifest(tmp, manifest)
+        commit(tmp, final)
+        log.info("saved %s checkpoint to %s", kind, final)
+        if save_total_limit is not None:
+            for path in rotate(final.parent, save_total_limit, final):
+                log.info("deleted old checkpoint %s (save_total_limit=%d)", path, save_total_limit)
     acc.wait_for_everyone()
     return final
 
 
-def load_state(acc: Accelerator, directory: str | os.PathLike) -> None:
-    """Restore what ``save_state`` wrote into the objects this Accelerator prepared."""
-    from safetensors.torch import load_file
-
-    root = Path(directory)
-    meta_path = root / STATE_FILE
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{root} is not an xshard checkpoint: {STATE_FILE} is missing")
-    meta = json.loads(meta_path.read_text())
-    now = _meta(acc)
-    for key in ("world_size", "stage", "models", "optimizers", "schedulers", "data_loaders", "fp16_scaler"):
-        if meta.get(key) != now[key]:
-            raise CheckpointMismatchError(
-                f"{root}: the checkpoint has {key}={meta.get(key)!r} but this job has {key}={now[key]!r}; "
-                "resume with the same world size, stage and prepared objects (full weights alone load "
-                f"into any job from {_model_file(0)})"
-            )
+def _read_everything(acc: Accelerator, root: Path) -> dict[str, Any]:
+    """Read and check all this rank needs from the checkpoint; change nothing."""
+    manifest = read_manifest(root)
+    kind = manifest.get("state_dict_type")
+    if kind not in formats.STATE_DICT_TYPES:
+        raise CheckpointError(f"{root / MANIFEST}: key 'state_dict_type' is {kind!r}, expected one of "
+                              f"{', '.join(formats.STATE_DICT_TYPES)}")
+    now = _job(acc)
+    if kind == "sharded":
+        formats.check_same_job(manifest, now, root, _COUNTS)
+    else:
+        formats.check_same_job(manifest, now, root, ("world_size", "stage", *_COUNTS))
+    reader = formats.RowReader(root, manifest)
+    tables = manifest.get("tables", {})
+    plan: dict[str, Any] = {"manifest": manifest, "models": [], "optimizers": []}
     for i, model in enumerate(acc._models):
-        weights = load_file(str(root / _model_file(i)))
-        if hasattr(model, "load_full_state_dict"):
-            model.load_full_state_dict(weights)
-        else:
-            model.load_state_dict(weights)
-        del weights
-    rank = acc.rank
-    # The counts were checked against the checkpoint above, so these zips are exact.
-    for opt, state in zip(acc._optimizers, _load(root / f"optimizer.rank{rank}.pt"), strict=True):
+        table = tables.get(f"model{i}")
+        if table is None:
+            raise CheckpointError(f"{root / MANIFEST}: key 'tables' has no 'model{i}'")
+        plan["models"].append(formats.read_model_rows(reader, table, model, f"model {i}"))
+    if kind == "sharded":
+        records = load_torch(root, "optimizer.groups.pt", manifest)
+        for i, opt in enumerate(acc._optimizers):
+            plan["optimizers"].append(formats.read_optimizer_rows(
+                reader, tables.get(f"optimizer{i}", {}), records[i], opt.optimizer, acc._models, f"optimizer {i}"))
+    else:
+        plan["optimizers"] = formats.load_rank_optimizers(root, manifest, acc.rank)
+    plan["schedulers"] = load_torch(root, "scheduler.pt", manifest)
+    plan["data"] = load_torch(root, "data.pt", manifest)
+    plan["scaler"] = load_torch(root, "scaler.pt", manifest) if acc.scaler is not None else None
+    rng_name = f"rng.rank{acc.rank}.pt"
+    # A different world size: ranks without their own RNG file take rank 0's (and say so).
+    plan["rng"] = load_torch(root, rng_name if rng_name in manifest["files"] else "rng.rank0.pt", manifest)
+    return plan
+
+
+def _agree(acc: Accelerator, error: BaseException | None, root: Path) -> None:
+    """Every rank learns whether any rank failed to read the checkpoint, so all raise or none does."""
+    if acc.world_size > 1:
+        flag = torch.tensor([0.0 if error is None else 1.0], device=acc.device)
+        acc.backend.collectives.all_reduce(flag, op="sum")
+        failed = int(flag.item())
+    else:
+        failed = int(error is not None)
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"{root}: {failed} other rank(s) could not read this checkpoint (their error is in "
+                              "their log); nothing was loaded")
+
+
+def load_state(acc: Accelerator, directory: str | os.PathLike) -> Path:
+    """Restore what ``save_state`` wrote into the objects this Accelerator prepared; returns the path.
+
+    Everything is read and checked first; the model, optimizer and the rest change only when every
+    rank read the whole checkpoint successfully.
+    """
+    root = Path(directory)
+    old = root.with_name(root.name + OLD_SUFFIX)
+    if not root.exists() and (old / MANIFEST).is_file():  # a crash between the two renames of commit()
+        root = old
+    error: BaseException | None = None
+    plan: dict[str, Any] = {}
+    try:
+        plan = _read_everything(acc, root)
+    except Exception as exc:  # every failure must reach _agree, or the other ranks would wait forever
+        log.error("rank %d cannot load %s: %s", acc.rank, root, exc)
+        error = exc if isinstance(exc, CheckpointError) else CheckpointError(f"{root}: {exc}")
+        if error is not exc:
+            error.__cause__ = exc
+    _agree(acc, error, root)
+
+    from .sharding.state_dict import load_local_pieces
+
+    for model, rows in zip(acc._models, plan["models"], strict=True):
+        load_local_pieces(model, rows)
+    for opt, state in zip(acc._optimizers, plan["optimizers"], strict=True):
         opt.load_state_dict(state)
-    for sched, state in zip(acc._schedulers, _load(root / "scheduler.pt"), strict=True):
+    for sched, state in zip(acc._schedulers, plan["schedulers"], strict=True):
         sched.load_state_dict(state)
-    for loader, state in zip(acc._loaders, _load(root / "data.pt"), strict=True):
+    for loader, state in zip(acc._loaders, plan["data"], strict=True):
         loader.load_state_dict(state)
     if acc.scaler is not None:
-        acc.scaler.load_state_dict(_load(root / "scaler.pt"))
-    _set_rng_state(acc, _load(root / f"rng.rank{rank}.pt"))
-    acc._micro_step = int(meta.get("micro_step", 0))
+        acc.scaler.load_state_dict(plan["scaler"])
+    _set_rng_state(acc, plan["rng"])
+    manifest = plan["manifest"]
+    acc._micro_step = int(manifest.get("micro_step", 0))
+    acc.step = int(manifest.get("step", 0))
     acc.wait_for_everyone()
-    log.info("resumed from %s", root)
+    log.info("resumed from %s (step %d)", root, acc.step)
+    return root
+
+
+def resume(acc: Accelerator, output_dir: str | os.PathLike) -> Path | None:
+    """Load the newest complete checkpoint under ``output_dir``; None (and nothing loaded) if there is none."""
+    path = latest_checkpoint(output_dir)
+    if path is None:
+        log.info("no complete checkpoint under %s: starting from scratch", output_dir)
+        return None
+    return load_state(acc, path)

@@ -100,3 +100,70 @@ def load_full_state_dict(model: Any, state_dict: dict[str, torch.Tensor]) -> Non
             p.copy_(flat.view(g.local_shape))  # in place on the user's Parameter: bumps its version
     for unit in model.units:
         unit.stale = True
+
+
+# ---------------------------------------------------------------------- local (per-rank) pieces
+#
+# A "piece" is the dim-0 row range of one state-dict entry that this rank holds. Sharded parameters
+# hold rows ``[rank * ceil(d0 / W), ...)`` (layout.py); everything else (buffers, stage-0 and
+# unsharded parameters) is replicated, so its piece is every row and only rank 0 needs to write it.
+# 0-dim tensors are viewed as one row. Checkpoints store and reassemble these pieces by rows, which
+# is what lets a checkpoint written on W ranks load on any other number of ranks.
+
+
+class LocalPiece:
+    """Rows ``[start, stop)`` of state-dict entry ``key`` (full shape ``shape``) held by this rank."""
+
+    __slots__ = ("key", "shape", "start", "stop", "tensor", "sharded")
+
+    def __init__(self, key: str, shape: tuple[int, ...], start: int, stop: int, tensor: torch.Tensor,
+                 sharded: bool) -> None:
+        self.key, self.shape, self.start, self.stop = key, shape, start, stop
+        self.tensor = tensor  # the live tensor (the user's Parameter or buffer), shape (stop - start, *rest)
+        self.sharded = sharded
+
+
+def rows_of(shape: tuple[int, ...]) -> int:
+    """Number of dim-0 rows of a tensor of ``shape`` (a 0-dim tensor is one row)."""
+    return int(shape[0]) if len(shape) else 1
+
+
+def row_range(shape: tuple[int, ...], world_size: int, rank: int) -> tuple[int, int]:
+    """Rows of a parameter of ``shape`` that ``rank`` of ``world_size`` holds (layout.ParamGeometry)."""
+    d0 = rows_of(shape)
+    per = -(-d0 // world_size) if d0 else 0
+    start = min(rank * per, d0)
+    return start, min(start + per, d0)
+
+
+def local_pieces(model: Any) -> dict[str, LocalPiece]:
+    """Every key of ``module.state_dict()`` -> the piece this rank holds (tied keys share one tensor)."""
+    module = model.module
+    shard_of = {id(sp.user): (sp, unit.rt) for unit in model.units for sp in unit.params}
+    by_key = _param_keys(module)
+    out: dict[str, LocalPiece] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        p = by_key.get(key)
+        found = shard_of.get(id(p)) if p is not None else None
+        if found is not None:
+            sp, rt = found
+            shape = tuple(sp.geom.shape)
+            start, stop = row_range(shape, rt.world_size, rt.rank)
+            sharded = rt.world_size > 1
+        else:
+            shape = tuple(value.shape)
+            start, stop, sharded = 0, rows_of(shape), False
+        out[key] = LocalPiece(key, shape, start, stop, value, sharded)
+    return out
+
+
+def load_local_pieces(model: Any, rows: dict[str, torch.Tensor]) -> None:
+    """Copy ``rows[key]`` (this rank's rows of each entry, as ``local_pieces`` describes them) into
+    the model, in place. The caller has checked keys and shapes: this only copies."""
+    pieces = local_pieces(model)
+    with torch.no_grad():
+        for key, value in rows.items():
+            target = pieces[key].tensor
+            target.copy_(value.reshape(target.shape))
+    for unit in model.units:
+        unit.stale = True

@@ -1,0 +1,301 @@
+"""Model and optimizer state in a checkpoint, by ``state_dict_type``: full, local or sharded.
+
+Every tensor is described in the manifest by a *row table* entry: its full shape and dtype and the
+pieces that hold it, ``[file, first_row, end_row]`` of dim 0. Loading reads exactly the rows this
+rank needs (safetensors slices: nothing else is read into memory), whatever world size wrote them.
+
+- ``full``: rank 0 writes ``model.safetensors`` (a plain state dict: any tool loads it), gathered one
+  unit at a time to the CPU; optimizer state is saved per rank (``optimizer.rank{R}.pt``), so
+  resuming it needs the same world size and stage (the weights alone load anywhere).
+- ``local``: each rank writes its own rows (``model.rank{R}.safetensors``) and its optimizer state
+  as torch saves it: fast, no communication, same world size and stage only.
+- ``sharded``: the model as in ``local``, and the optimizer state by rows too
+  (``optimizer.rank{R}.safetensors``): state tensors shaped like their parameter's shard (Adam's
+  ``exp_avg``, ``exp_avg_sq``) are row pieces of a full-shape tensor, other state (``step``) is
+  written whole by rank 0. Any world size and any stage load it: 4 -> 2 -> 1 -> 4.
+
+Design note, why not torch.distributed.checkpoint (DCP): DCP's save/load plans are coordinated
+through collectives (gather of every rank's plan to rank 0, then scatter), which is what times out
+at thousands of ranks over Gloo (anchors pain point 5), and its files need DCP to read. Dim-0 row
+pieces are all this core's sharding ever produces, so a row table in the manifest describes them
+completely: saving is per-rank and communication-free, loading reshards by slicing, every file is a
+plain safetensors file, and ``xshard consolidate`` needs no process group.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint_io import (
+    MANIFEST,
+    CheckpointError,
+    CheckpointMismatchError,
+    FileWriter,
+    load_torch,
+    verify_file,
+)
+from .sharding.state_dict import local_pieces, rows_of
+
+STATE_DICT_TYPES = ("full", "local", "sharded")
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool)}
+
+
+def model_file(i: int, rank: int | None = None) -> str:
+    """File of model ``i``: the full state dict (rank None) or rank ``rank``'s rows."""
+    base = "model" if i == 0 else f"model_{i}"
+    return f"{base}.safetensors" if rank is None else f"{base}.rank{rank}.safetensors"
+
+
+def _entry(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[list[Any]], **extra: Any) -> dict[str, Any]:
+    return {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "pieces": pieces, **extra}
+
+
+def _rows_view(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``t`` (this rank's rows of an entry) as a CPU tensor of shape (stop - start, *rest)."""
+    t = t.detach().to("cpu")
+    return t.reshape(stop - start, *t.shape[1:]) if t.dim() else t.reshape(stop - start)
+
+
+# ---------------------------------------------------------------------- writing
+
+
+def write_full_model(writer: FileWriter, i: int, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Rank 0: the gathered state dict as one safetensors file; returns its row table."""
+    name = model_file(i)
+    writer.safetensors(name, weights)
+    return {k: _entry(tuple(v.shape), v.dtype, [[name, 0, rows_of(tuple(v.shape))]]) for k, v in weights.items()}
+
+
+def write_model_rows(writer: FileWriter, i: int, model: Any) -> dict[str, Any]:
+    """This rank's rows of every entry (replicated ones from rank 0 only); returns this rank's table."""
+    name = model_file(i, writer.rank)
+    tensors: dict[str, torch.Tensor] = {}
+    table: dict[str, Any] = {}
+    first_key: dict[int, str] = {}
+    for key, piece in local_pieces(model).items():
+        owner = first_key.setdefault(id(piece.tensor), key)
+        if owner != key:  # tied: stored once, loaded under each name
+            table[key] = {"same_as": owner}
+            continue
+        mine = (piece.sharded or writer.rank == 0) and piece.stop > piece.start
+        table[key] = _entry(piece.shape, piece.tensor.dtype,
+                            [[name, piece.start, piece.stop]] if mine else [])
+        if mine:
+            tensors[key] = _rows_view(piece.tensor, piece.start, piece.stop)
+    writer.safetensors(name, tensors)
+    return table
+
+
+def optimizer_param_keys(optimizer: torch.optim.Optimizer, models: list[Any]) -> list[list[str]]:
+    """The state-dict key of every parameter of every param group (what reshards optimizer state)."""
+    names: dict[int, str] = {}
+    for model in models:
+        for key, p in model.module.named_parameters():
+            names.setdefault(id(p), key)
+    out = []
+    for g, group in enumerate(optimizer.param_groups):
+        keys = []
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(f"optimizer param group {g} holds a parameter of shape {tuple(p.shape)} that is in "
+                                 "no prepared model: prepare the model with the optimizer to save it sharded")
+            keys.append(names[id(p)])
+        out.append(keys)
+    return out
+
+
+def write_optimizer_rows(writer: FileWriter, i: int, optimizer: torch.optim.Optimizer,
+                         models: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's rows of optimizer ``i``'s state; returns (row table, groups record for rank 0)."""
+    name = f"optimizer_{i}.rank{writer.rank}.safetensors" if i else f"optimizer.rank{writer.rank}.safetensors"
+    keys = optimizer_param_keys(optimizer, models)
+    pieces = {k: v for model in models for k, v in local_pieces(model).items()}
+    tensors: dict[str, torch.Tensor] = {}
+    table: dict[str, Any] = {}
+    extra: dict[str, dict[str, Any]] = {}
+    for group, group_keys in zip(optimizer.param_groups, keys, strict=True):
+        for p, key in zip(group["params"], group_keys, strict=True):
+            piece = pieces[key]
+            for state_name, value in optimizer.state.get(p, {}).items():
+                entry_key = f"{key}/{state_name}"
+                if not isinstance(value, torch.Tensor):
+                    extra.setdefault(key, {})[state_name] = value
+                    continue
+                like_param = value.dim() >= 1 and tuple(value.shape) == tuple(p.shape)
+                if like_param:
+                    shape, start, stop, mine = piece.shape, piece.start, piece.stop, piece.sharded or writer.rank == 0
+                else:
+                    shape, start, stop, mine = tuple(value.shape), 0, rows_of(tuple(value.shape)), writer.rank == 0
+                mine = mine and stop > start
+                table[entry_key] = _entry(shape, value.dtype, [[name, start, stop]] if mine else [],
+                                          like_param=like_param)
+                if mine:
+                    tensors[entry_key] = _rows_view(value, start, stop)
+    writer.safetensors(name, tensors)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return table, {"param_groups": groups, "param_keys": keys, "extra": extra}
+
+
+def merge_tables(fragments: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row table from every rank's: pieces concatenated in row order."""
+    merged: dict[str, Any] = {}
+    for fragment in fragments:
+        for key, entry in fragment.items():
+            if key not in merged:
+                merged[key] = {**entry, **({"pieces": list(entry["pieces"])} if "pieces" in entry else {})}
+            elif "pieces" in entry:
+                merged[key]["pieces"].extend(entry["pieces"])
+    for entry in merged.values():
+        if "pieces" in entry:
+            entry["pieces"].sort(key=lambda piece: piece[1])
+    return merged
+
+
+# ---------------------------------------------------------------------- reading
+
+
+class RowReader:
+    """Reads rows of row-table entries from a checkpoint's safetensors files (verified on first use)."""
+
+    def __init__(self, folder: Path, manifest: dict[str, Any]) -> None:
+        self.folder = folder
+        self.manifest = manifest
+        self._open: dict[str, Any] = {}
+
+    def _file(self, name: str) -> Any:
+        if name not in self._open:
+            from safetensors import safe_open
+
+            path = verify_file(self.folder, name, self.manifest)
+            try:
+                self._open[name] = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as exc:
+                raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from exc
+        return self._open[name]
+
+    def rows(self, table: dict[str, Any], key: str, start: int, stop: int, where: str) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``table[key]``, shape (stop - start, *rest), on the CPU."""
+        while "same_as" in table[key]:  # tied: stored under its first name
+            key = table[key]["same_as"]
+        entry = table[key]
+        shape = tuple(entry["shape"])
+        dtype = _DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{self.folder / MANIFEST}: {where} key {key!r} has dtype {entry['dtype']!r}, "
+                                  f"which this reader does not know ({', '.join(_DTYPES)})")
+        out = torch.empty((stop - start, *shape[1:]), dtype=dtype)
+        covered = start
+        for name, lo, hi in entry["pieces"]:
+            a, b = max(lo, start), min(hi, stop)
+            if a >= b:
+                continue
+            if a != covered:
+                break
+            f = self._file(name)
+            try:
+                piece = f.get_slice(key)
+                if len(piece.get_shape()) == 0:
+                    part = f.get_tensor(key).reshape(1)[a - lo:b - lo]
+                else:
+                    part = piece[a - lo:b - lo]
+            except Exception as exc:
+                raise CheckpointError(f"{self.folder / name}: key {key!r} cannot be read ({exc})") from exc
+            if tuple(part.shape[1:]) != tuple(out.shape[1:]):
+                raise CheckpointError(f"{self.folder / name}: key {key!r} has rows of shape {tuple(part.shape[1:])}, "
+                                      f"{MANIFEST} says {tuple(out.shape[1:])}")
+            out[a - start:b - start].copy_(part)
+            covered = b
+        if covered != stop:
+            raise CheckpointError(f"{self.folder}: rows {covered}..{stop} of {where} key {key!r} are in no file of "
+                                  "the checkpoint (a rank's file is missing from the manifest)")
+        return out
+
+
+def read_model_rows(reader: RowReader, table: dict[str, Any], model: Any, where: str) -> dict[str, torch.Tensor]:
+    """This rank's rows of every model entry, checked against the model (keys, shapes); nothing is changed."""
+    pieces = local_pieces(model)
+    missing = [k for k in pieces if k not in table]
+    unexpected = [k for k in table if k not in pieces]
+    if missing or unexpected:
+        key = (missing or unexpected)[0]
+        raise CheckpointMismatchError(
+            f"{reader.folder / MANIFEST}: {where} does not match the model: key {key!r} is "
+            f"{'missing from the checkpoint' if missing else 'not in the model'} (missing keys: {missing[:5]}, "
+            f"unexpected keys: {unexpected[:5]}); load a checkpoint of this model")
+    out = {}
+    for key, piece in pieces.items():
+        entry = table[key]
+        while "same_as" in entry:
+            entry = table[entry["same_as"]]
+        if tuple(entry["shape"]) != tuple(piece.shape):
+            files = sorted({p[0] for p in entry["pieces"]}) or [MANIFEST]
+            raise CheckpointMismatchError(
+                f"{reader.folder / files[0]}: key {key!r} has shape {tuple(entry['shape'])} in the checkpoint, the "
+                f"model's is {tuple(piece.shape)}; load a checkpoint of this model")
+        out[key] = reader.rows(table, key, piece.start, piece.stop, where)
+    return out
+
+
+def read_optimizer_rows(reader: RowReader, table: dict[str, Any], record: dict[str, Any],
+                        optimizer: torch.optim.Optimizer, models: list[Any], where: str) -> dict[str, Any]:
+    """This rank's optimizer state dict rebuilt from the rows (for ``optimizer.load_state_dict``)."""
+    keys = optimizer_param_keys(optimizer, models)
+    if keys != record["param_keys"]:
+        saved = record["param_keys"]
+        diff = next((f"group {g} parameter {j}: {a!r} in the checkpoint, {b!r} here"
+                     for g, (ga, gb) in enumerate(zip(saved, keys, strict=False)) for j, (a, b) in enumerate(zip(ga, gb, strict=False)) if a != b),
+                    f"{len(saved)} groups of {[len(g) for g in saved]} parameters in the checkpoint, "
+                    f"{len(keys)} of {[len(g) for g in keys]} here")
+        raise CheckpointMismatchError(f"{reader.folder}: {where} has other parameters than this optimizer ({diff}); "
+                                      "build the optimizer with the same param groups")
+    pieces = {k: v for model in models for k, v in local_pieces(model).items()}
+    by_param: dict[str, list[str]] = {}
+    for entry_key in table:
+        by_param.setdefault(entry_key.rsplit("/", 1)[0], []).append(entry_key)
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for group, group_keys in zip(record["param_groups"], keys, strict=True):
+        ids = []
+        for key in group_keys:
+            values: dict[str, Any] = dict(record["extra"].get(key, {}))
+            for entry_key in by_param.get(key, []):
+                entry = table[entry_key]
+                if entry["like_param"]:
+                    piece = pieces[key]
+                    if tuple(entry["shape"]) != tuple(piece.shape):
+                        raise CheckpointMismatchError(
+                            f"{reader.folder / MANIFEST}: {where} key {entry_key!r} has shape {tuple(entry['shape'])},"
+                            f" the parameter's is {tuple(piece.shape)}")
+                    rows = reader.rows(table, entry_key, piece.start, piece.stop, where)
+                    values[entry_key.rsplit("/", 1)[1]] = rows.reshape(piece.tensor.shape)
+                else:
+                    shape = tuple(entry["shape"])
+                    rows = reader.rows(table, entry_key, 0, rows_of(shape), where)
+                    values[entry_key.rsplit("/", 1)[1]] = rows.reshape(shape)
+            if values:
+                state[index] = values
+            ids.append(index)
+            index += 1
+        groups.append({**group, "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def check_same_job(manifest: dict[str, Any], now: dict[str, Any], folder: Path, keys: tuple[str, ...]) -> None:
+    """Raise naming the manifest key where this job differs from the one that saved."""
+    for key in keys:
+        if manifest.get(key) != now[key]:
+            raise CheckpointMismatchError(
+                f"{folder / MANIFEST}: key {key!r} is {manifest.get(key)!r} in the checkpoint but {now[key]!r} in this "
+                f"job; a {manifest.get('state_dict_type')!r} checkpoint resumes only with the same world size, stage "
+                "and prepared objects (save with state_dict_type='sharded' to change them)")
+
+
+def load_rank_optimizers(folder: Path, manifest: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+    """The per-rank optimizer state dicts of a full or local checkpoint."""
+    return load_torch(folder, f"optimizer.rank{rank}.pt", manifest)

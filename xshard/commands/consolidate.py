@@ -1,0 +1,74 @@
+"""Turn an xshard checkpoint (sharded, local or full) into one state dict, without a process group.
+
+    xshard consolidate out/checkpoint-100 model.safetensors      # one safetensors state dict
+    xshard consolidate out/checkpoint-100 ./export                # a transformers model: a folder
+                                                                  # that from_pretrained loads
+
+When the checkpoint holds the model's ``config.json`` (transformers models), OUT is a folder with
+``config.json`` and ``model.safetensors``; otherwise OUT is the ``.safetensors`` file. Every file is
+checked against the checkpoint's manifest (size, sha256) while it is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+
+from xshard.checkpoint_formats import RowReader
+from xshard.checkpoint_io import MANIFEST, CheckpointError, read_manifest, verify_file
+from xshard.sharding.state_dict import rows_of
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a checkpoint folder written by Accelerator.save_state")
+    parser.add_argument("out", help="the .safetensors file to write, or the folder for a transformers model")
+    parser.add_argument("--model-index", type=int, default=0,
+                        help="which prepared model, for jobs that prepared several (default: 0)")
+
+
+def consolidated_state_dict(checkpoint: str | Path, model_index: int = 0) -> dict[str, torch.Tensor]:
+    """The full state dict of model ``model_index`` of a checkpoint, assembled from its row pieces."""
+    folder = Path(checkpoint)
+    manifest = read_manifest(folder)
+    table = manifest.get("tables", {}).get(f"model{model_index}")
+    if table is None:
+        raise CheckpointError(f"{folder / MANIFEST}: key 'tables' has no 'model{model_index}' "
+                              f"(the job saved {manifest.get('models', 0)} model(s))")
+    reader = RowReader(folder, manifest)
+    out = {}
+    for key, entry in table.items():
+        while "same_as" in entry:
+            entry = table[entry["same_as"]]
+        shape = tuple(entry["shape"])
+        out[key] = reader.rows(table, key, 0, rows_of(shape), f"model {model_index}").reshape(shape)
+    return out
+
+
+def consolidate(checkpoint: str | Path, out: str | Path, model_index: int = 0) -> Path:
+    """Write the consolidated weights to ``out``; returns the file written (model.safetensors inside a
+    folder when the checkpoint holds a transformers config.json)."""
+    from safetensors.torch import save_file
+
+    folder, target = Path(checkpoint), Path(out)
+    state = consolidated_state_dict(folder, model_index)
+    manifest = read_manifest(folder)
+    if model_index == 0 and "config.json" in manifest.get("files", {}):
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(verify_file(folder, "config.json", manifest), target / "config.json")
+        target = target / "model.safetensors"
+    elif target.is_dir() or target.suffix != ".safetensors":
+        raise CheckpointError(f"{target}: the checkpoint's model has no config.json (not a transformers model), so "
+                              "the output is one state dict: give a file name ending in .safetensors")
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(target), metadata={"format": "pt"})
+    return target
+
+
+def run(args: argparse.Namespace) -> int:
+    written = consolidate(args.checkpoint, args.out, args.model_index)
+    print(f"wrote {written}")
+    return 0
