@@ -296,12 +296,14 @@ class XLABackend(Backend):
 
 
 class OptimizerStepPatch:
-    """``xm.optimizer_step`` replaced by ``optimizer.step(**optimizer_args)`` (+ sync if ``barrier``).
+    """``xm.optimizer_step`` replaced by ``optimizer.step(**optimizer_args)`` then a graph sync.
 
     Scripts written for torch_xla's data parallelism call ``xm.optimizer_step(optimizer)``, which
     all-reduces every gradient first. Under the sharded core the gradients are already reduced
-    (and sharded), so that all-reduce would be wrong and wasteful. Same idea as the Hugging Face
-    Trainer's XLA FSDP path, but scoped: ``restore()`` (or leaving the ``with`` block) puts the
+    (and sharded), so that all-reduce would be wrong and wasteful. The replacement always ends
+    the graph (whatever ``barrier`` says), so that one training step is one graph even in a loop
+    without MpDeviceLoader, whose batches would otherwise cut it. Same idea as the Hugging Face
+    Trainer's XLA FSDP path (``optimizer.step()`` then ``mark_step``), but scoped: ``restore()`` (or leaving the ``with`` block) puts the
     original function back. Code that did ``from torch_xla.core.xla_model import optimizer_step``
     before the patch keeps the original.
 
@@ -330,7 +332,7 @@ class OptimizerStepPatch:
                     groups: Any = None,
                     pin_layout: bool = True,
                 ) -> Any:
-                    return _step_without_reduce(optimizer, barrier, optimizer_args)
+                    return _step_without_reduce(optimizer, optimizer_args)
 
                 OptimizerStepPatch._original = original
                 OptimizerStepPatch._replacement = optimizer_step
@@ -364,8 +366,8 @@ class OptimizerStepPatch:
         self.restore()
 
 
-def _step_without_reduce(optimizer: torch.optim.Optimizer, barrier: bool, optimizer_args: dict | None) -> Any:
-    """The body of the patched ``xm.optimizer_step``: step, and sync the graph if ``barrier``."""
+def _step_without_reduce(optimizer: torch.optim.Optimizer, optimizer_args: dict | None) -> Any:
+    """The body of the patched ``xm.optimizer_step``: step, then sync the graph."""
     if not OptimizerStepPatch._announced:
         OptimizerStepPatch._announced = True
         log.info(
@@ -373,6 +375,5 @@ def _step_without_reduce(optimizer: torch.optim.Optimizer, barrier: bool, optimi
             "model already reduced the gradients"
         )
     loss = optimizer.step(**(optimizer_args or {}))
-    if barrier:
-        sync_graph()
+    sync_graph()
     return loss

@@ -15,8 +15,13 @@ from .layout import unpack_rows
 from .unit import Unit, plan_buffer, segment
 
 
-def _gather_unit(unit: Unit, keep: bool) -> dict[int, torch.Tensor]:
-    """id(user Parameter) -> full CPU tensor for every parameter of ``unit`` (empty if not ``keep``)."""
+def _gather_unit(unit: Unit, keep: bool, mark_step: Any) -> dict[int, torch.Tensor]:
+    """id(user Parameter) -> full CPU tensor for every parameter of ``unit`` (empty if not ``keep``).
+
+    ``mark_step`` (the backend's) runs right after the all-gather: on a compiled device each later
+    ``.cpu()`` read would otherwise re-run the pending graph, collective included, on this rank
+    alone, and the other ranks (which ran it once) would never meet it.
+    """
     if not unit.params:
         return {}
     rt = unit.rt
@@ -28,6 +33,7 @@ def _gather_unit(unit: Unit, keep: bool) -> dict[int, torch.Tensor]:
             segment(send, layout, i, sp.dtype)[: sp.geom.local_numel].copy_(sp.user.detach().reshape(-1))
     recv = torch.empty(layout.row_numel * rt.world_size, dtype=buf_dtype, device=rt.device)
     rt.collectives.all_gather_into_tensor(recv, send)
+    mark_step()
     if not keep:
         return {}
     grid = recv.view(rt.world_size, layout.row_numel)
@@ -51,8 +57,7 @@ def full_state_dict(model: Any, rank0_only: bool = True) -> dict[str, torch.Tens
     full: dict[int, torch.Tensor] = {}
     if model.units:
         for unit in model.units:  # one unit in flight at a time: peak memory is one unit, not the model
-            full.update(_gather_unit(unit, keep))
-            model.backend.mark_step()  # compiled devices: cut the graph per unit
+            full.update(_gather_unit(unit, keep, model.backend.mark_step))
     if not keep:
         return {}
     out: dict[str, torch.Tensor] = {}
