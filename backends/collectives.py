@@ -15,6 +15,13 @@ Byte accounting follows the ZeRO paper's convention so that counts compare with 
 of the full (unsharded) tensor, an all-reduce twice the tensor (it is a reduce-scatter plus an
 all-gather), a broadcast the tensor once. These are logical payloads, independent of the wire
 algorithm, so the same training step counts the same bytes on every backend.
+
+The list forms (``all_gather_into_tensors`` / ``reduce_scatter_tensors``) gather or reduce several
+tensors (one sharded unit's parameters or gradients) as one logical operation: they count one call
+and the sum of the tensors' bytes, exactly as one flat operation over a packed buffer would. Each
+implementation picks the cheapest way: by default one collective over a packed buffer (what suits
+NCCL, HCCL and XLA: few large operations); ``DistCollectives`` with the gloo options works on each
+tensor in place, with no packing at all.
 """
 
 from __future__ import annotations
@@ -92,6 +99,12 @@ class Handle:
         return self._done
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are the same elements (an in-place gather's input is its own output slice)."""
+    return (a.device == b.device and a.dtype == b.dtype and a.numel() == b.numel()
+            and a.data_ptr() == b.data_ptr() and b.is_contiguous())
+
+
 def _finished(output: torch.Tensor | None) -> Handle:
     h = Handle([], output)
     h._done = True
@@ -142,6 +155,32 @@ class Collectives:
         self.counter.add("all_reduce", 2 * _nbytes(tensor))
         return self._result(self._all_reduce(tensor, op), async_op)
 
+    def all_gather_into_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                async_op: bool = False):
+        """``all_gather_into_tensor`` for each pair, as one operation (one call, the outputs' bytes).
+
+        Each output is contiguous with ``world_size`` times its input's elements. An input may be a
+        view of its own output's chunk for this rank (in-place gather: nothing is staged for it).
+        """
+        _check_pairs("all_gather_into_tensors", outputs, inputs, self.world_size, gather=True)
+        self.counter.add("all_gather", sum(_nbytes(o) for o in outputs))
+        return self._result(self._all_gather_many(list(outputs), list(inputs)), async_op)
+
+    def reduce_scatter_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                               op: str = "avg", async_op: bool = False):
+        """``reduce_scatter_tensor`` for each pair, as one operation (one call, the inputs' bytes).
+
+        Inputs are contiguous, of one dtype, ``world_size`` times their output's elements, and
+        scratch (they may be reduced in place).
+        """
+        _check_op(op)
+        _check_pairs("reduce_scatter_tensors", outputs, inputs, self.world_size, gather=False)
+        if len({t.dtype for t in inputs}) > 1:
+            raise ValueError("reduce_scatter_tensors: inputs must share one dtype, got "
+                             f"{sorted(str(d) for d in {t.dtype for t in inputs})}")
+        self.counter.add("reduce_scatter", sum(_nbytes(i) for i in inputs))
+        return self._result(self._reduce_scatter_many(list(outputs), list(inputs), op), async_op)
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
         """Copy rank ``src``'s ``tensor`` into every rank's ``tensor``."""
         self.counter.add("broadcast", _nbytes(tensor))
@@ -170,6 +209,70 @@ class Collectives:
     def _broadcast(self, tensor, src) -> Handle:
         raise NotImplementedError
 
+    def _all_gather_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Handle:
+        """Default: pack the inputs into one buffer, one all-gather, copy each rank's rows out."""
+        if len(outputs) == 1:
+            return self._all_gather(outputs[0].view(-1), inputs[0].reshape(-1))
+        world = self.world_size
+        # one dtype: a buffer of it; mixed dtypes (fp32 norms beside bf16 weights): a byte buffer
+        as_bytes = len({t.dtype for t in inputs}) > 1
+        flat_in = [_flat(t, as_bytes) for t in inputs]
+        offsets, row = _offsets([t.numel() for t in flat_in])
+        send = torch.cat(flat_in)
+        recv = torch.empty(world * row, dtype=send.dtype, device=send.device)
+        inner = self._all_gather(recv, send)
+
+        def unpack() -> None:
+            grid = recv.view(world, row)
+            for out, t, off in zip(outputs, flat_in, offsets, strict=True):
+                _flat(out, as_bytes).view(world, t.numel()).copy_(grid[:, off:off + t.numel()])
+
+        return Handle([inner], outputs, unpack)
+
+    def _reduce_scatter_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str) -> Handle:
+        """Default: pack the inputs rank-major into one buffer, one reduce-scatter, copy each slice out."""
+        if len(outputs) == 1:
+            return self._reduce_scatter(outputs[0].view(-1), inputs[0].view(-1), op)
+        world = self.world_size
+        sizes = [o.numel() for o in outputs]
+        offsets, row = _offsets(sizes)
+        buf = torch.empty(world, row, dtype=inputs[0].dtype, device=inputs[0].device)
+        for t, off, n in zip(inputs, offsets, sizes, strict=True):
+            buf[:, off:off + n].copy_(t.view(world, n))
+        out = torch.empty(row, dtype=buf.dtype, device=buf.device)
+        inner = self._reduce_scatter(out, buf.view(-1), op)
+
+        def unpack() -> None:
+            for o, off, n in zip(outputs, offsets, sizes, strict=True):
+                o.view(-1).copy_(out[off:off + n])
+
+        return Handle([inner], outputs, unpack)
+
+
+def _flat(t: torch.Tensor, as_bytes: bool) -> torch.Tensor:
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if as_bytes and flat.dtype != torch.uint8 else flat
+
+
+def _offsets(sizes: list[int]) -> tuple[list[int], int]:
+    offsets, pos = [], 0
+    for n in sizes:
+        offsets.append(pos)
+        pos += n
+    return offsets, pos
+
+
+def _check_pairs(name: str, outputs: list, inputs: list, world_size: int, gather: bool) -> None:
+    if len(outputs) != len(inputs):
+        raise ValueError(f"{name}: {len(outputs)} outputs for {len(inputs)} inputs; pass one output per input")
+    for i, (o, t) in enumerate(zip(outputs, inputs, strict=True)):
+        small, big = (t, o) if gather else (o, t)
+        if big.numel() != small.numel() * world_size:
+            raise ValueError(f"{name}: pair {i} has {big.numel()} full elements, expected "
+                             f"{small.numel()} x world size {world_size}")
+        if not big.is_contiguous() or not o.is_contiguous():
+            raise ValueError(f"{name}: pair {i} is not contiguous; pass contiguous tensors (e.g. .contiguous())")
+
 
 def _check_op(op: str) -> None:
     if op not in REDUCE_OPS:
@@ -195,6 +298,18 @@ class SingleProcessCollectives(Collectives):
 
     def _broadcast(self, tensor, src):
         return _finished(tensor)
+
+    # no packing at world size 1: each pair is a copy at most (through the primitives, which
+    # subclasses for devices without data pointers override)
+    def _all_gather_many(self, outputs, inputs):
+        for out, inp in zip(outputs, inputs, strict=True):
+            self._all_gather(out.view(-1), inp.reshape(-1))
+        return _finished(outputs)
+
+    def _reduce_scatter_many(self, outputs, inputs, op):
+        for out, inp in zip(outputs, inputs, strict=True):
+            self._reduce_scatter(out.view(-1), inp.view(-1), op)
+        return _finished(outputs)
 
 
 _DIST_OPS = {
@@ -247,32 +362,58 @@ class DistCollectives(Collectives):
 
     def _all_gather(self, output, input):
         if self.all_gather_via_broadcast:
-            chunks = output.view(-1).chunk(self.world_size)
-            chunks[self.rank].copy_(input.view(-1))
-            works = [
-                dist.broadcast(chunk, src=self._global_ranks[r], group=self.group, async_op=True)
-                for r, chunk in enumerate(chunks)
-            ]
-            return Handle(works, output)
+            return Handle(self._broadcast_slices(output, input), output)
         work = _all_gather_single(output, input, group=self.group, async_op=True)
         return Handle([work], output)
 
+    def _broadcast_slices(self, output: torch.Tensor, input: torch.Tensor) -> list:
+        """All-gather as one broadcast per rank straight into ``output``'s slices (in place)."""
+        n = input.numel()
+        flat = output.view(-1)
+        mine = flat[self.rank * n:(self.rank + 1) * n]
+        if not _same_memory(mine, input):
+            mine.copy_(input.reshape(-1))
+        return [dist.broadcast(flat[r * n:(r + 1) * n], src=self._global_ranks[r], group=self.group, async_op=True)
+                for r in range(self.world_size)]
+
+    def _all_gather_many(self, outputs, inputs):
+        if not self.all_gather_via_broadcast:
+            return super()._all_gather_many(outputs, inputs)
+        works = [w for out, inp in zip(outputs, inputs, strict=True) for w in self._broadcast_slices(out, inp)]
+        return Handle(works, outputs)
+
     def _reduce_scatter(self, output, input, op):
-        dop, divisor = self._dist_op(op)
         if self.reduce_scatter_via_all_reduce:
-            # The all-reduce works in place on the caller's input buffer, which the caller frees
-            # (or reuses) after the handle completes: no extra memory beyond what FSDP holds anyway.
-            work = dist.all_reduce(input, op=dop, group=self.group, async_op=True)
-            mine = input.view(-1).chunk(self.world_size)[self.rank]
-
-            def finish() -> None:
-                output.view(-1).copy_(mine)
-                if divisor is not None:
-                    output.div_(divisor)
-
-            return Handle([work], output, finish)
+            return self._reduce_by_all_reduce([output], [input], op, output)
+        dop, divisor = self._dist_op(op)
         work = _reduce_scatter_single(output, input, op=dop, group=self.group, async_op=True)
         return Handle([work], output, (lambda: output.div_(divisor)) if divisor is not None else None)
+
+    def _reduce_scatter_many(self, outputs, inputs, op):
+        if not self.reduce_scatter_via_all_reduce:
+            return super()._reduce_scatter_many(outputs, inputs, op)
+        return self._reduce_by_all_reduce(outputs, inputs, op, outputs)
+
+    def _reduce_by_all_reduce(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str,
+                              result: object) -> Handle:
+        """Reduce-scatter as an all-reduce of each input and a copy of this rank's slice.
+
+        Faster than gloo's own reduce-scatter. Each input is reduced in place (it is the caller's
+        scratch: no packing buffer), and the average's divide is folded into the slice copy.
+        """
+        dop, divisor = self._dist_op(op)
+        works = [dist.all_reduce(t, op=dop, group=self.group, async_op=True) for t in inputs]
+
+        def finish() -> None:
+            for out, t in zip(outputs, inputs, strict=True):
+                n = out.numel()
+                mine = t.view(-1)[self.rank * n:(self.rank + 1) * n]
+                if divisor is None:
+                    out.view(-1).copy_(mine)
+                else:
+                    torch.div(mine, divisor, out=out.view(-1))
+
+        return Handle(works, result, finish)
 
     def _all_reduce(self, tensor, op):
         dop, divisor = self._dist_op(op)

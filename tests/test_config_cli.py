@@ -21,7 +21,7 @@ def test_flags_round_trip_through_the_written_yaml(tmp_path, capsys):
     assert main(argv) == 0
     text = capsys.readouterr().out
     config = XShardConfig.load(yaml.safe_load(text), env={})
-    assert config == XShardConfig(stage=2, mixed_precision="bf16", offload_optimizer=True,
+    assert config == XShardConfig(stage=2, mixed_precision="bf16", offload_optimizer=True, forward_prefetch=False,
                                   transformer_layer_cls_to_wrap=["Qwen2DecoderLayer"], gradient_clipping=1.0,
                                   seed=1234, devices=8, reduce_dtype="fp32")
     # every key is documented by a comment line right above it

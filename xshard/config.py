@@ -82,7 +82,7 @@ class XShardConfig:
     min_num_params: int = _opt(100_000_000, "parameters per unit for the 'size' policy")
     backward_prefetch: str = _opt("pre", "gather the next unit in backward: pre (before this unit's "
                                          "gradients), post (after), none")
-    forward_prefetch: bool = _opt(False, "gather the next unit before this unit's forward runs")
+    forward_prefetch: bool = _opt(True, "gather the next unit before this unit's forward runs")
     max_inflight_all_gathers: int = _opt(2, "units gathered at once (current + prefetched)")
     mixed_precision: str = _opt("no", "compute dtype: no (fp32), bf16 or fp16; master weights stay fp32")
     reduce_dtype: str | None = _opt(None, "gradient reduce dtype: fp32, bf16, fp16 (null: the compute dtype)")

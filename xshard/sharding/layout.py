@@ -5,10 +5,11 @@ A parameter of shape ``(d0, *rest)`` is split along dim 0 into ``world_size`` ch
 chunk size so that every rank sends the same number of elements. In flat terms rank ``r`` owns
 elements ``[r * seg, (r + 1) * seg)`` of the parameter, where ``seg = rows_per_rank * row_numel``.
 
-A unit's communication buffer is the concatenation of its parameters' padded segments. The
-all-gather output is therefore a ``(world_size, shard_numel)`` matrix whose row ``r`` is rank
-``r``'s shard of every parameter; parameter ``i`` is the column block ``[offset_i, offset_i + seg_i)``.
-Rebuilding a full parameter is one strided copy per parameter (plus one for a padded tail).
+The sharded core gathers each parameter straight into a full storage of ``world_size * seg``
+elements (the parameter is its first ``numel``), so the padded shards line up with no copy out.
+A packed buffer of several parameters (a full state dict's gather, collectives that pack a unit
+into one operation) is a ``(world_size, row)`` matrix whose row ``r`` is rank ``r``'s shard of
+every parameter; parameter ``i`` is the column block ``[offset_i, offset_i + seg_i)``.
 """
 
 from __future__ import annotations
@@ -62,25 +63,8 @@ class FlatLayout:
         return cls(tuple(offsets), tuple(sizes), pos)
 
 
-def pack_rows(flat_full: torch.Tensor, block: torch.Tensor) -> None:
-    """Copy a full parameter (flat, ``numel`` elements) into a ``(world_size, seg)`` block, zero-padded."""
-    seg = block.shape[1]
-    numel = flat_full.numel()
-    if seg == 0:
-        return
-    whole, rem = divmod(numel, seg)
-    if whole:
-        block[:whole].copy_(flat_full[: whole * seg].view(whole, seg))
-    if rem:
-        block[whole, :rem].copy_(flat_full[whole * seg:])
-        block[whole, rem:].zero_()
-        whole += 1
-    if whole < block.shape[0]:
-        block[whole:].zero_()
-
-
 def unpack_rows(block: torch.Tensor, flat_full: torch.Tensor) -> None:
-    """Inverse of ``pack_rows``: copy the real elements of a ``(world_size, seg)`` block out."""
+    """Copy the real elements of a ``(world_size, seg)`` block (rank ``r``'s padded shard in row ``r``) out."""
     seg = block.shape[1]
     numel = flat_full.numel()
     if seg == 0:

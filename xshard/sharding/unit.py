@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .layout import FlatLayout, ParamGeometry, pack_rows, unpack_rows
+from .layout import FlatLayout, ParamGeometry
 from .wrap import UnitSpec, param_owner_is_norm
 
 SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
@@ -109,6 +109,9 @@ class ShardedParam:
         self.gather_dtype = gather_dtype
         self.trainable = p.requires_grad
         g = self.geom
+        #: elements of the gather target: ``world_size`` padded shards (>= numel when dim 0 does
+        #: not divide by the world size); the full parameter is its first ``numel`` elements
+        self.gather_numel = rt.world_size * g.seg
         with torch.no_grad():
             self.padded = torch.zeros(g.seg, dtype=p.dtype, device=rt.shard_device)
             # Meta-parameter hook: a parameter on the meta device has no values yet; its shard is
@@ -116,12 +119,21 @@ class ShardedParam:
             if not p.is_meta:
                 start = rt.rank * g.seg
                 self.padded[: g.local_numel].copy_(p.detach().reshape(-1)[start:start + g.local_numel])
-            full = torch.empty(g.shape, dtype=gather_dtype, device=rt.device)
+            flat = torch.empty(self.gather_numel, dtype=gather_dtype, device=rt.device)
+            full = flat[: g.numel].view(g.shape)
             if rt.stage < 3 and not p.is_meta:  # stages 1-2 keep the full copy resident; start from local values
                 full.copy_(p.detach())
             self.full = nn.Parameter(full, requires_grad=p.requires_grad)
             self.user = rehome(spec, self.padded[: g.local_numel].view(g.local_shape))
-        self.full_bytes = g.numel * self.full.element_size()
+        self.full_bytes = self.gather_numel * self.full.element_size()
+        # Where all-gathers write: the full parameter's own storage seen flat, padding included.
+        # It is a separate tensor object (own version counter), so refilling a storage that
+        # autograd saved in forward does not look like an in-place change to the saved tensor.
+        # Devices that free by replacing ``.data`` get a fresh target per gather instead.
+        self.gather_target: torch.Tensor | None = None
+        if rt.frees_storage_by_resize:
+            self.gather_target = torch.empty(0, dtype=gather_dtype, device=rt.device).set_(
+                self.full.untyped_storage(), 0, (self.gather_numel,))
 
     def version(self) -> int:
         return self.user._version
@@ -134,7 +146,7 @@ class ShardedParam:
 
 
 class Unit:
-    """The parameters of one module, gathered and reduced together through one flat buffer each."""
+    """The parameters of one module, gathered and reduced together (one collective operation each)."""
 
     def __init__(self, spec: UnitSpec, rt: Runtime, is_root: bool) -> None:
         self.module = spec.module
@@ -149,8 +161,6 @@ class Unit:
             if not ps.param.is_floating_point():
                 dtype = ps.param.dtype
             self.params.append(ShardedParam(ps, rt, dtype))
-        self.buffer_dtype, self.gather_layout = plan_buffer(
-            [sp.geom.seg for sp in self.params], [sp.gather_dtype for sp in self.params])
         self.trainable = [sp for sp in self.params if sp.trainable]
         self.reduce_dtype = rt.reduce_dtype or rt.param_dtype
         self.reduce_layout = FlatLayout.of([sp.geom.seg for sp in self.trainable])
@@ -160,7 +170,7 @@ class Unit:
         # rank's own values, so the first forward gathers (ranks agree even without
         # sync_module_states); also set when shards are written behind the version counters
         self.stale = rt.stage in (1, 2)
-        self._pending = None  # (handle, recv) while GATHERING
+        self._pending = None  # (handle, gather targets) while GATHERING
         # per-step bookkeeping, reset at the end of each backward
         self.pending_backward_calls = 0
         self.backward_done = False
@@ -180,29 +190,34 @@ class Unit:
             return self.stale or self.stamp != self.versions()
         return False
 
-    @property
-    def gather_numel(self) -> int:
-        """Elements of the gather buffer across all ranks (bytes if the buffer is uint8)."""
-        return self.gather_layout.row_numel * self.rt.world_size
-
-    def _segment(self, flat_or_grid: torch.Tensor, i: int) -> torch.Tensor:
-        return segment(flat_or_grid, self.gather_layout, i, self.params[i].gather_dtype)
-
     # ------------------------------------------------------------------ gather
     def start_gather(self) -> None:
-        """Issue this unit's all-gather (asynchronous); ``wait_gather`` completes it."""
+        """Issue this unit's all-gather (asynchronous); ``wait_gather`` completes it.
+
+        Each parameter is gathered straight into its full copy's storage: this rank's shard is
+        written (cast to the compute dtype) into its own slice, which is the all-gather's input, so
+        there is no send buffer and no receive buffer to copy out of (the collectives may still pack
+        where one large operation is cheaper, e.g. NCCL).
+        """
         if not self.params or not self.needs_gather():
             return
         rt = self.rt
-        send = torch.empty(self.gather_layout.row_numel, dtype=self.buffer_dtype, device=rt.device)
+        targets, inputs = [], []
         with torch.no_grad():
-            for i, sp in enumerate(self.params):
-                seg = self._segment(send, i)
-                seg[: sp.geom.local_numel].copy_(sp.user.detach().reshape(-1), non_blocking=True)
-                seg[sp.geom.local_numel:].zero_()
-        recv = torch.empty(self.gather_numel, dtype=self.buffer_dtype, device=rt.device)
-        handle = rt.collectives.all_gather_into_tensor(recv, send, async_op=True)
-        self._pending = (handle, recv, send)
+            for sp in self.params:
+                seg = sp.geom.seg
+                if sp.gather_target is not None:
+                    self._alloc(sp)
+                    target = sp.gather_target
+                    own = target[rt.rank * seg:(rt.rank + 1) * seg]
+                    own.copy_(sp.padded, non_blocking=True)
+                else:  # the full copy takes the target's data once the gather is done
+                    target = torch.empty(sp.gather_numel, dtype=sp.gather_dtype, device=rt.device)
+                    own = sp.padded.to(device=rt.device, dtype=sp.gather_dtype)
+                targets.append(target)
+                inputs.append(own)
+        handle = rt.collectives.all_gather_into_tensors(targets, inputs, async_op=True)
+        self._pending = (handle, targets)
         self.stamp = self.versions()
         self.stale = False
         self.state = GATHERING
@@ -215,17 +230,12 @@ class Unit:
             self.start_gather()
             if self.state != GATHERING:
                 return
-        handle, recv, _send = self._pending
+        handle, targets = self._pending
         self._pending = None
         handle.wait()
-        grid = recv.view(self.rt.world_size, self.gather_layout.row_numel)
-        with torch.no_grad():
-            for i, sp in enumerate(self.params):
-                self._alloc(sp)
-                # the copy refills tensors autograd saved in forward: keep their version so the
-                # saved-tensor check in backward does not see an in-place modification
-                with torch.autograd._unsafe_preserve_version_counter(sp.full):
-                    unpack_rows(self._segment(grid, i), sp.full.view(-1))
+        if not self.rt.frees_storage_by_resize:
+            for sp, target in zip(self.params, targets, strict=True):
+                sp.full.data = target[: sp.geom.numel].view(sp.geom.shape)
         self.state = GATHERED
 
     def reshard(self) -> None:
@@ -245,12 +255,9 @@ class Unit:
             sp.full.data = torch.empty(0, dtype=sp.gather_dtype, device=self.rt.device)
 
     def _alloc(self, sp: ShardedParam) -> None:
-        if self.rt.frees_storage_by_resize:
-            storage = sp.full.untyped_storage()
-            if storage.size() == 0:
-                storage.resize_(sp.full_bytes)
-        elif sp.full.numel() != sp.geom.numel:
-            sp.full.data = torch.empty(sp.geom.shape, dtype=sp.gather_dtype, device=self.rt.device)
+        storage = sp.full.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(sp.full_bytes)
 
     def live_full_bytes(self, sp: ShardedParam) -> int:
         """Bytes of ``sp``'s full compute copy allocated right now (0 when freed)."""
@@ -269,39 +276,58 @@ class Unit:
 
     # ------------------------------------------------------------------ reduce
     def start_reduce(self) -> PendingReduce | None:
-        """Pack the full gradients into one buffer, free them, and issue the reduce-scatter."""
+        """Hand the full gradients to the reduce-scatter (asynchronous) and drop them from the full copies.
+
+        A gradient already in the reduce dtype, contiguous and of ``world_size`` whole shards is
+        the reduce's input itself (the collectives may reduce it in place): no packing buffer.
+        Only padded or cast gradients are copied, into a zero-padded buffer of their own.
+        """
         if not self.trainable:
             return None
         rt = self.rt
         dtype = self.reduce_dtype or self.trainable[0].dtype
-        row = self.reduce_layout.row_numel
-        buf = torch.empty(rt.world_size * row, dtype=dtype, device=rt.device)
-        grid = buf.view(rt.world_size, row)
+        if rt.replicate_over is not None:
+            return self._start_all_reduce(dtype)
+        inputs, outputs = [], []
+        with torch.no_grad():
+            for sp in self.trainable:
+                inputs.append(_reduce_input(sp.full.grad, sp.gather_numel, dtype, rt.device))
+                outputs.append(torch.empty(sp.geom.seg, dtype=dtype, device=rt.device))
+                sp.full.grad = None
+        comm = rt.collectives
+        op, pre, post = _divide_factors(dtype, comm.world_size)
+        if pre != 1.0:
+            for t in inputs:
+                t.div_(pre)
+        handle = comm.reduce_scatter_tensors(outputs, inputs, op=op, async_op=True)
+        return PendingReduce(self, handle, outputs, inputs, post)
+
+    def _start_all_reduce(self, dtype: torch.dtype) -> PendingReduce:
+        """Stage 0 with compute copies: average the unit's whole gradients in one flat all-reduce."""
+        rt = self.rt
+        buf = torch.empty(self.reduce_layout.row_numel, dtype=dtype, device=rt.device)
         with torch.no_grad():
             for off, sp in zip(self.reduce_layout.offsets, self.trainable, strict=True):
-                block = grid[:, off:off + sp.geom.seg]
+                block = buf[off:off + sp.geom.seg]
                 grad = sp.full.grad
                 if grad is None:
                     block.zero_()
                 else:
-                    pack_rows(grad.reshape(-1), block)
+                    block.copy_(grad.reshape(-1))
                 sp.full.grad = None
-        comm = rt.replicate_over or rt.collectives
+        comm = rt.replicate_over
         op, pre, post = _divide_factors(dtype, comm.world_size)
         if pre != 1.0:
             buf.div_(pre)
-        if rt.replicate_over is not None:
-            handle = comm.all_reduce(buf, op=op, async_op=True)
-            return PendingReduce(self, handle, buf, buf, post)
-        out = torch.empty(row, dtype=dtype, device=rt.device)
-        handle = comm.reduce_scatter_tensor(out, buf, op=op, async_op=True)
-        return PendingReduce(self, handle, out, buf, post)
+        handle = comm.all_reduce(buf, op=op, async_op=True)
+        outs = [buf[off:off + sp.geom.seg] for off, sp in zip(self.reduce_layout.offsets, self.trainable, strict=True)]
+        return PendingReduce(self, handle, outs, [buf], post)
 
-    def accumulate_grads(self, out: torch.Tensor) -> None:
+    def accumulate_grads(self, outs: list[torch.Tensor]) -> None:
         """Add this rank's reduced shard of every trainable parameter's gradient to ``param.grad``."""
         with torch.no_grad():
-            for off, sp in zip(self.reduce_layout.offsets, self.trainable, strict=True):
-                shard = out[off:off + sp.geom.local_numel].view(sp.geom.local_shape)
+            for out, sp in zip(outs, self.trainable, strict=True):
+                shard = out[: sp.geom.local_numel].view(sp.geom.local_shape)
                 # blocking: an asynchronous device-to-host copy could still be running when the
                 # optimizer reads an offloaded gradient
                 shard = shard.to(device=sp.user.device, dtype=sp.dtype)
@@ -309,6 +335,19 @@ class Unit:
                     sp.user.grad = shard  # a view of ``out``, which nothing else reuses
                 else:
                     sp.user.grad.add_(shard)
+
+
+def _reduce_input(grad: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The reduce-scatter input for one full gradient: the gradient itself when it already is
+    ``numel`` contiguous elements of ``dtype`` on ``device``, else a zero-padded copy."""
+    if grad is None:
+        return torch.zeros(numel, dtype=dtype, device=device)
+    if grad.numel() == numel and grad.dtype == dtype and grad.device == device and grad.is_contiguous():
+        return grad.view(-1)
+    buf = torch.empty(numel, dtype=dtype, device=device)
+    buf[: grad.numel()].copy_(grad.reshape(-1))
+    buf[grad.numel():].zero_()
+    return buf
 
 
 def _divide_factors(dtype: torch.dtype, world_size: int) -> tuple[str, float, float]:
@@ -332,12 +371,13 @@ class PendingReduce:
 
     unit: Unit
     handle: object
-    out: torch.Tensor
-    buf: torch.Tensor
+    outs: list[torch.Tensor]  # one reduced shard per trainable parameter
+    inputs: list[torch.Tensor]  # kept alive until the collective is done with them
     post_divide: float
 
     def finish(self) -> None:
         self.handle.wait()
         if self.post_divide != 1.0:
-            self.out.div_(self.post_divide)
-        self.unit.accumulate_grads(self.out)
+            for out in self.outs:
+                out.div_(self.post_divide)
+        self.unit.accumulate_grads(self.outs)
