@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 
@@ -31,21 +30,8 @@ ATOL = 1e-5
 
 
 def run_two_replicas(*args):
-    """``run_replicas`` on 2 replicas, tried a second time only after XLA:CPU's rendezvous abort.
-
-    XLA:CPU replicas are threads that each compile their own copy of a graph; the first to finish
-    waits in the graph's first collective for the other, and XLA:CPU kills the process when that
-    wait passes a fixed 10 seconds ("Termination timeout"). On a loaded 2-core machine one compile
-    can lag that much. That is a property of the test set-up, not of the code under test: any
-    other failure, or a second abort, fails the test.
-    """
-    try:
-        return run_replicas(train_core_on_xla, 2, *args, timeout=240)
-    except AssertionError as exc:
-        if "Termination timeout" not in str(exc):
-            raise
-        warnings.warn("XLA:CPU aborted a slow first rendezvous; running the replicas again", stacklevel=2)
-        return run_replicas(train_core_on_xla, 2, *args, timeout=240)
+    """``train_core_on_xla`` on 2 replicas (a slow first rendezvous is retried by ``run_replicas``)."""
+    return run_replicas(train_core_on_xla, 2, *args, timeout=240)
 
 
 def assert_same_state(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
