@@ -192,6 +192,6 @@ def test_sharded_checkpoint_reshards_4_2_1_and_2_4_and_consolidates(tmp_path):
 
 
 def _consolidated(checkpoint, out):
-    from xshard.commands.consolidate import consolidate
+    from xshard.checkpoint.consolidate import consolidate
 
     return consolidate(checkpoint, out)

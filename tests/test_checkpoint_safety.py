@@ -12,7 +12,7 @@ import torch
 from distributed import run_workers
 from test_checkpoint import _job, _plain, _steps
 
-from xshard.checkpoint_io import FAIL_AFTER_ENV, FAIL_RANK_ENV
+from xshard.checkpoint.files import FAIL_AFTER_ENV, FAIL_RANK_ENV
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,7 +40,7 @@ def _resume_worker(rank, world_size, out):
 
 
 def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_resume_skips_the_broken_one(tmp_path):
-    from xshard.commands.consolidate import consolidated_state_dict
+    from xshard.checkpoint.consolidate import consolidated_state_dict
 
     with pytest.raises(RuntimeError, match="died without a result|failed"):
         run_workers(_crash_worker, 2, str(tmp_path), timeout=120)

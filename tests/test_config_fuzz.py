@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from xshard.config import FIELD_NAMES, XShardConfig, XShardConfigError
+from xshard.config import XShardConfig, XShardConfigError
+from xshard.config.schema import FIELD_NAMES
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -13,7 +13,7 @@ import torch
 from distributed import free_port
 from xshard.backends import World
 
-from xshard.env_report import run_checks
+from xshard.cli.env_check import run_checks
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKEN_NPU = Path(__file__).parent / "fakes" / "broken_npu"

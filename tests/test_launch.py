@@ -13,7 +13,7 @@ from distributed import free_port
 from xshard.backends import Backend, Selection
 from xshard.backends.errors import XShardError
 
-from xshard.launch import LaunchError, LaunchOptions, plan_launch
+from xshard.cli.launch import LaunchError, LaunchOptions, plan_launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -207,7 +207,7 @@ class _FakeXLA(_FakeDevices):
 
 
 def _with_backend(monkeypatch, cls):
-    import xshard.launch as launch
+    import xshard.cli.launch as launch
 
     monkeypatch.setattr(launch, "select", lambda backend, env: Selection(cls, "test"))
 

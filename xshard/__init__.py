@@ -19,9 +19,16 @@ def _bind_backends_from_source_tree() -> None:
     pyproject.toml). Running from the repository root without installing, Python finds
     ``xshard/`` but not ``xshard/backends``; bind the sibling folder under the right name instead.
     """
-    if importlib.util.find_spec(f"{__name__}.backends") is not None:
+    here = Path(__file__).resolve().parent
+    folder = here.parent / "backends"
+    # A wheel installs the device layer inside the package (xshard/backends/). A source tree has it
+    # beside xshard/: bind that sibling, so a checkout imported from its own folder uses its own
+    # backends even where an editable install of another checkout maps the name elsewhere.
+    in_source_tree = (folder / "base.py").is_file() and (here.parent / "pyproject.toml").is_file()
+    if (here / "backends").is_dir() or (not in_source_tree and importlib.util.find_spec(f"{__name__}.backends")):
         return
-    folder = Path(__file__).resolve().parent.parent / "backends"
+    if not in_source_tree:
+        return
     spec = importlib.util.spec_from_file_location(
         f"{__name__}.backends", folder / "__init__.py", submodule_search_locations=[str(folder)]
     )

@@ -399,7 +399,7 @@ class Accelerator:
         """Save models, optimizers, schedulers, loaders' positions, scaler, RNG and step to ``directory``.
 
         Atomic: the folder appears complete or not at all. ``state_dict_type`` ("full", "local",
-        "sharded"; default: the config's) is described in ``xshard.checkpoint_formats``.
+        "sharded"; default: the config's) is described in ``xshard.checkpoint.formats``.
         ``save_total_limit`` keeps only the newest N complete checkpoints in ``directory``'s parent.
         Every rank must call it. Returns the checkpoint's path.
         """

@@ -6,9 +6,9 @@ Load it with ``XShardConfig.load(source, overrides=None, env=os.environ, script_
   a dict, or an `XShardConfig`. The file's kind is detected from its content:
 
   * xshard's own format (the keys are the field names below; ``xshard config`` writes one),
-  * a DeepSpeed ``ds_config.json`` (see `xshard.config_deepspeed`; ``"auto"`` values are filled from
-    ``script_args`` as the HF Trainer does, see `xshard.config_auto`),
-  * an accelerate config yaml (``distributed_type: FSDP`` + ``fsdp_config``; see `xshard.config_fsdp`),
+  * a DeepSpeed ``ds_config.json`` (see `xshard.config.deepspeed`; ``"auto"`` values are filled from
+    ``script_args`` as the HF Trainer does, see `xshard.config.auto`),
+  * an accelerate config yaml (``distributed_type: FSDP`` + ``fsdp_config``; see `xshard.config.fsdp`),
   * an HF Trainer ``fsdp_config`` json (for the ``--fsdp`` words use `XShardConfig.from_hf_fsdp`).
 
 - Precedence, highest first: keyword ``overrides`` > ``XSHARD_*`` environment variables (one per field:
@@ -34,11 +34,12 @@ from typing import Any
 
 import yaml
 
-from xshard.config_auto import ScriptArgs, resolve_auto
-from xshard.config_deepspeed import MARKERS as DS_MARKERS
-from xshard.config_deepspeed import read_deepspeed
-from xshard.config_fsdp import ACCELERATE_MARKERS, PREFETCH, STATE_DICT, WRAP, read_accelerate, read_hf_fsdp
-from xshard.config_values import (
+from xshard.backends import NAMES as BACKEND_NAMES
+from xshard.config.auto import ScriptArgs, resolve_auto
+from xshard.config.deepspeed import MARKERS as DS_MARKERS
+from xshard.config.deepspeed import read_deepspeed
+from xshard.config.fsdp import ACCELERATE_MARKERS, PREFETCH, STATE_DICT, WRAP, read_accelerate, read_hf_fsdp
+from xshard.config.values import (
     Reading,
     XShardConfigError,
     XShardConfigWarning,
@@ -60,7 +61,8 @@ ENV_PREFIX = "XSHARD_"
 ALIASES = {"xla_fsdp_grad_ckpt": "activation_checkpointing"}
 PRECISION = {"no": "no", "fp32": "no", "float32": "no", "bf16": "bf16", "bfloat16": "bf16",
              "fp16": "fp16", "float16": "fp16"}
-BACKENDS = {name: name for name in ("auto", "cpu", "cuda", "npu", "mps", "xla")}
+#: the backend registry's names (auto and every registered backend)
+BACKENDS = {name: name for name in BACKEND_NAMES}
 LOG_LEVELS = {name: name for name in ("debug", "info", "warning", "error", "critical")}
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -101,7 +103,7 @@ class XShardConfig:
                                               "(checked: micro x accumulation x world size)")
     optimizer: dict[str, Any] | None = _opt(None, 'optimizer for the script: {type: AdamW, params: {lr: ...}}')
     scheduler: dict[str, Any] | None = _opt(None, "scheduler for the script: {type: WarmupDecayLR, params: ...}")
-    backend: str = _opt("auto", "hardware: auto, cpu, cuda, npu, mps, xla")
+    backend: str = _opt("auto", "hardware: auto, xla, npu, cuda, mps, cpu")
     devices: int | None = _opt(None, "processes per node (null: one per visible device)")
     num_nodes: int = _opt(1, "number of nodes")
     seed: int | None = _opt(None, "random seed for every process (null: do not seed)")
@@ -198,7 +200,7 @@ class XShardConfig:
 
     def to_yaml(self) -> str:
         """A documented YAML file (a comment per key) that `load` reads back to this config."""
-        from xshard.config_yaml import render_yaml
+        from xshard.config.render import render_yaml
 
         return render_yaml(self)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from xshard.config_values import (
+from xshard.config.values import (
     Reading,
     XShardConfigError,
     fail,

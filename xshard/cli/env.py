@@ -7,8 +7,74 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import sys
+from collections.abc import Callable
 from typing import Any
+
+import torch
+
+import xshard
+from xshard.backends import AUTO_ORDER, ENV_VAR, Backend, Selection, backend_class
+
+#: torchrun's variables, shown when set
+LAUNCH_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def relevant_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The set variables that steer xshard or a backend: XSHARD_*, each backend's visible-devices
+    and related variables, and torchrun's."""
+    env = dict(os.environ if env is None else env)
+    names = {k for k in env if k.startswith("XSHARD_")} | set(LAUNCH_ENV_VARS)
+    for name in AUTO_ORDER:
+        cls = backend_class(name)
+        if cls.visible_devices_env:
+            names.add(cls.visible_devices_env)
+        names.update(cls.related_env_vars)
+    return {k: env[k] for k in sorted(names) if k in env}
+
+
+def gather(selection: Selection, backend: Backend) -> dict[str, Any]:
+    """The report of `xshard env` for the chosen backend, as JSON-ready data."""
+    facts = backend.describe()
+    world = backend.world
+    return {
+        "backend": selection.name,
+        "selected_by": selection.reason,
+        "skipped": [{"backend": n, "reason": why} for n, why in selection.skipped],
+        "device_type": facts["device_type"],
+        "device": _safe(lambda: str(backend.device())),
+        "device_count": facts["device_count"],
+        "dist_backend": facts["dist_backend"],
+        "native_avg": facts["native_avg"],
+        "visible_devices_env": facts["visible_devices_env"],
+        "precision": {"fp32": True, "fp16": facts["fp16"], "bf16": facts["bf16"]},
+        "world": {"rank": world.rank, "world_size": world.world_size, "local_rank": world.local_rank},
+        "versions": {
+            "xshard": xshard.__version__,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            **({facts["vendor_module"] or selection.name: facts["vendor_version"]} if facts["vendor_version"] else {}),
+        },
+        "extra": {k: v for k, v in facts.items() if k not in _REPORTED},
+        "environment": relevant_env(),
+        "env_var": ENV_VAR,
+    }
+
+
+_REPORTED = {
+    "backend", "device_type", "dist_backend", "visible_devices_env", "native_avg", "vendor_module",
+    "vendor_version", "device_count", "bf16", "fp16",
+}
+
+
+def _safe(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as exc:  # a report must not crash on a half-working runtime
+        return f"unknown ({type(exc).__name__}: {exc})"
+
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the report (and run the checks); 0 when everything asked for passed."""
     from xshard.backends import apply_visible_devices, select
-    from xshard.env_report import gather, run_checks
+    from xshard.cli.env_check import run_checks
 
     selection = select(args.backend)
     applied = apply_visible_devices(selection.cls, args.devices)

@@ -1,6 +1,6 @@
 """The `xshard` command: `xshard launch | env | config | estimate | consolidate`.
 
-Each subcommand lives in ``xshard/commands/<name>.py`` with ``add_arguments(parser)`` and
+Each subcommand lives in ``xshard/cli/<name>.py`` with ``add_arguments(parser)`` and
 ``run(args) -> int``; it is imported only when used, so `xshard env` stays fast and a broken
 optional dependency of one command cannot break the others. Errors meant for users
 (``XShardError``) print one clear line and exit non-zero, never a traceback.
@@ -23,14 +23,14 @@ COMMANDS: dict[str, str] = {
 
 
 def _available() -> dict[str, str]:
-    return {n: h for n, h in COMMANDS.items() if importlib.util.find_spec(f"xshard.commands.{n}") is not None}
+    return {n: h for n, h in COMMANDS.items() if importlib.util.find_spec(f"xshard.cli.{n}") is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="xshard", description="xshard: one training script, any accelerator.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in _available().items():
-        module = importlib.import_module(f"xshard.commands.{name}")
+        module = importlib.import_module(f"xshard.cli.{name}")
         sp = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip())
         module.add_arguments(sp)
         sp.set_defaults(_run=module.run)

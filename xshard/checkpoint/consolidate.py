@@ -1,32 +1,21 @@
-"""Turn an xshard checkpoint (sharded, local or full) into one state dict, without a process group.
+"""Consolidate an xshard checkpoint (sharded, local or full) into one state dict, with no process group.
 
-    xshard consolidate out/checkpoint-100 model.safetensors      # one safetensors state dict
-    xshard consolidate out/checkpoint-100 ./export                # a transformers model: a folder
-                                                                  # that from_pretrained loads
-
-When the checkpoint holds the model's ``config.json`` (transformers models), OUT is a folder with
-``config.json`` and ``model.safetensors``; otherwise OUT is the ``.safetensors`` file. Every file is
-checked against the checkpoint's manifest (size, sha256) while it is read.
+When the checkpoint holds the model's ``config.json`` (transformers models), the output is a folder
+with ``config.json`` and ``model.safetensors`` that ``from_pretrained`` loads; otherwise it is one
+``.safetensors`` file. Every file is checked against the checkpoint's manifest (size, sha256) while
+it is read.
 """
 
 from __future__ import annotations
 
-import argparse
 import shutil
 from pathlib import Path
 
 import torch
 
-from xshard.checkpoint_formats import RowReader
-from xshard.checkpoint_io import MANIFEST, CheckpointError, read_manifest, verify_file
-from xshard.sharding.state_dict import rows_of
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a checkpoint folder written by Accelerator.save_state")
-    parser.add_argument("out", help="the .safetensors file to write, or the folder for a transformers model")
-    parser.add_argument("--model-index", type=int, default=0,
-                        help="which prepared model, for jobs that prepared several (default: 0)")
+from ..sharding.state_dict import rows_of
+from .files import MANIFEST, CheckpointError, read_manifest, verify_file
+from .formats import RowReader
 
 
 def consolidated_state_dict(checkpoint: str | Path, model_index: int = 0) -> dict[str, torch.Tensor]:
@@ -66,9 +55,3 @@ def consolidate(checkpoint: str | Path, out: str | Path, model_index: int = 0) -
         target.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(target), metadata={"format": "pt"})
     return target
-
-
-def run(args: argparse.Namespace) -> int:
-    written = consolidate(args.checkpoint, args.out, args.model_index)
-    print(f"wrote {written}")
-    return 0

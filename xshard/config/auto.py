@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from xshard.config_values import XShardConfigError, is_auto
+from xshard.config.values import XShardConfigError, is_auto
 
 
 class _Missing(Exception):

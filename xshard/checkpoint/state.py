@@ -5,7 +5,7 @@ A checkpoint folder holds:
     xshard_state.json            the manifest, written last: format version, xshard version, world size,
                                  stage, backend, state_dict_type, step, the xshard config, row tables of
                                  every tensor, and the size and sha256 of every other file
-    model*.safetensors           model weights (checkpoint_formats.py: full, local or sharded layout)
+    model*.safetensors           model weights (formats.py: full, local or sharded layout)
     optimizer*                   optimizer state (per rank, or by rows for "sharded")
     scheduler.pt data.pt         LR schedulers, data loaders' positions (epoch, batches consumed)
     scaler.pt                    fp16 grad scaler (when there is one)
@@ -14,7 +14,7 @@ A checkpoint folder holds:
                                  (a transformers model): ``xshard consolidate`` then writes a
                                  ``from_pretrained`` folder
 
-Saving is atomic (checkpoint_io.py): a crash or a killed rank leaves the previous checkpoint intact
+Saving is atomic (files.py): a crash or a killed rank leaves the previous checkpoint intact
 and a ``.tmp`` folder that ``latest_checkpoint`` skips. Loading reads only safetensors and
 ``torch.load(weights_only=True)``, checks every file's size and checksum, the model's keys and
 shapes and the job's compatibility on every rank *before* anything changes; the ranks agree on the
@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import checkpoint_formats as formats
-from .checkpoint_io import (
+from ..log import get_logger
+from . import formats
+from .files import (
     FORMAT_VERSION,
     MANIFEST,
     OLD_SUFFIX,
@@ -50,10 +51,9 @@ from .checkpoint_io import (
     rotate,
     write_manifest,
 )
-from .log import get_logger
 
 if TYPE_CHECKING:
-    from .accelerator import Accelerator
+    from ..accelerator import Accelerator
 
 __all__ = ["CheckpointError", "CheckpointMismatchError", "latest_checkpoint", "load_state", "save_state"]
 
@@ -167,7 +167,7 @@ def save_state(acc: Accelerator, directory: str | os.PathLike, state_dict_type: 
     acc.wait_for_everyone()
 
     if acc.is_main_process:
-        from . import __version__
+        from .. import __version__
 
         files: dict[str, Any] = {}
         parts: dict[str, list[dict[str, Any]]] = {}
@@ -271,7 +271,7 @@ def load_state(acc: Accelerator, directory: str | os.PathLike) -> Path:
             error.__cause__ = exc
     _agree(acc, error, root)
 
-    from .sharding.state_dict import load_local_pieces
+    from ..sharding.state_dict import load_local_pieces
 
     for model, rows in zip(acc._models, plan["models"], strict=True):
         load_local_pieces(model, rows)

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint_io import (
+from ..sharding.state_dict import local_pieces, rows_of
+from .files import (
     MANIFEST,
     CheckpointError,
     CheckpointMismatchError,
@@ -37,7 +38,6 @@ from .checkpoint_io import (
     load_torch,
     verify_file,
 )
-from .sharding.state_dict import local_pieces, rows_of
 
 STATE_DICT_TYPES = ("full", "local", "sharded")
 _DTYPES = {str(d).removeprefix("torch."): d for d in (

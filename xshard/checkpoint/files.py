@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .backends.errors import XShardError
+from ..backends.errors import XShardError
 
 MANIFEST = "xshard_state.json"
 FORMAT_VERSION = 2
