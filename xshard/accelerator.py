@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader
 
 from .backends import Backend, select
 from .data import ShardedDataLoader, shard_data_loader
+from .job import JobState
 from .log import get_logger, progress, setup_logging
 from .prepared import PreparedOptimizer, PreparedScheduler
 
@@ -114,8 +115,6 @@ class Accelerator:
         if self.seeded:
             self._seed_everything(self.seed)
 
-        self.gradient_accumulation_steps = int(self.config.gradient_accumulation_steps)
-        self.gradient_clipping = float(self.config.gradient_clipping or 0.0)
         mixed = self.config.mixed_precision  # validated by the config: no, bf16 or fp16
         self.mixed_precision = mixed
         self.compute_dtype: torch.dtype | None = _MIXED_DTYPES[mixed]
@@ -125,17 +124,13 @@ class Accelerator:
                 f"mixed_precision={mixed!r}: the {self.backend.name} backend cannot compute in {self.compute_dtype}; "
                 f"use one of: {', '.join(usable)}"
             )
-        self.scaler = self._make_scaler() if mixed == "fp16" else None
-
-        self._models: list[torch.nn.Module] = []
-        self._optimizers: list[PreparedOptimizer] = []
-        self._schedulers: list[PreparedScheduler] = []
-        self._loaders: list[ShardedDataLoader] = []
-        self._micro_step = 0
-        #: real optimizer steps taken (saved in checkpoints; orders them for ``resume_from_checkpoint``)
-        self.step = 0
-        self._sync_gradients = True
-        self._clipped = False
+        #: prepared objects, step counters and the accumulation window (see ``xshard.job``)
+        self.job = JobState(
+            backend=self.backend, config=self.config,
+            gradient_accumulation_steps=int(self.config.gradient_accumulation_steps),
+            gradient_clipping=float(self.config.gradient_clipping or 0.0),
+            scaler=self._make_scaler() if mixed == "fp16" else None,
+        )
         self._ended = False
 
     # ------------------------------------------------------------------ facts
@@ -167,7 +162,27 @@ class Accelerator:
     @property
     def sync_gradients(self) -> bool:
         """True on micro-steps that end an accumulation window (the optimizer really steps)."""
-        return self._sync_gradients
+        return self.job.sync_gradients
+
+    @property
+    def step(self) -> int:
+        """Real optimizer steps taken (saved in checkpoints; orders them for ``resume_from_checkpoint``)."""
+        return self.job.step
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step (from the config)."""
+        return self.job.gradient_accumulation_steps
+
+    @property
+    def gradient_clipping(self) -> float:
+        """Max global gradient norm applied at each step when the loop does not clip (0: none)."""
+        return self.job.gradient_clipping
+
+    @property
+    def scaler(self) -> Any:
+        """The fp16 grad scaler (None unless mixed_precision is fp16)."""
+        return self.job.scaler
 
     # ------------------------------------------------------------------ setup helpers
     def _seed_everything(self, seed: int) -> None:
@@ -231,11 +246,11 @@ class Accelerator:
         """Shard ``model`` over the job with the config's sharding options."""
         from .sharding import ShardedModel, shard_model
 
-        if any(model is m for m in self._models):
+        if any(model is m for m in self.job.models):
             return model
         sharded = model if isinstance(model, ShardedModel) else shard_model(model, self.backend, self.sharding_options())
-        self._models.append(sharded)
-        for opt in self._optimizers:  # an optimizer prepared before its model
+        self.job.models.append(sharded)
+        for opt in self.job.optimizers:  # an optimizer prepared before its model
             if opt.model is None and _owns(sharded, opt.optimizer):
                 opt.model = sharded
                 sharded.register_optimizer(opt.optimizer)
@@ -243,18 +258,18 @@ class Accelerator:
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         """Wrap ``optimizer``: steps through the backend and the grad scaler, only on sync steps."""
-        model = next((m for m in self._models if _owns(m, optimizer)), None)
+        model = next((m for m in self.job.models if _owns(m, optimizer)), None)
         if model is not None:
             model.register_optimizer(optimizer)
-        prepared = PreparedOptimizer(optimizer, self, model)
-        self._optimizers.append(prepared)
+        prepared = PreparedOptimizer(optimizer, self.job, model)
+        self.job.optimizers.append(prepared)
         return prepared
 
     def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
         """Wrap an LR scheduler so it steps only when its optimizer really stepped."""
-        owner = next((o for o in self._optimizers if o.optimizer is scheduler.optimizer), None)
+        owner = next((o for o in self.job.optimizers if o.optimizer is scheduler.optimizer), None)
         prepared = PreparedScheduler(scheduler, owner)
-        self._schedulers.append(prepared)
+        self.job.schedulers.append(prepared)
         return prepared
 
     def prepare_data_loader(self, loader: DataLoader, shard: bool = True) -> ShardedDataLoader:
@@ -266,21 +281,17 @@ class Accelerator:
             loader, self.device, num_replicas=self.world_size, rank=self.rank, seed=self.seed,
             wrap=self.backend.wrap_dataloader, shard=shard,
         )
-        self._loaders.append(prepared)
+        self.job.loaders.append(prepared)
         return prepared
 
     # ------------------------------------------------------------------ the training step
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
         """One micro-step: gradients are synchronised only at the end of an accumulation window."""
-        self._micro_step += 1
-        end_of_epoch = any(loader.end_of_epoch for loader in self._loaders)
-        self._sync_gradients = self._micro_step >= self.gradient_accumulation_steps or end_of_epoch
-        if self._sync_gradients:
-            self._micro_step = 0
+        self.job.begin_micro_step(end_of_epoch=self.job.end_of_epoch())
         with contextlib.ExitStack() as stack:
-            if not self._sync_gradients:
-                for model in models or self._models:
+            if not self.job.sync_gradients:
+                for model in models or self.job.models:
                     no_sync = getattr(model, "no_sync", None)
                     if no_sync is not None:
                         stack.enter_context(no_sync())
@@ -307,27 +318,9 @@ class Accelerator:
         On micro-steps inside an accumulation window it does nothing and returns None. For a
         prepared model, the whole model's gradients are clipped (the core computes one norm).
         """
-        if not self._sync_gradients:
+        if not self.job.sync_gradients:
             return None
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        ids = {id(p) for p in params}
-        self._unscale_all()
-        norms = [m.clip_grad_norm_(max_norm, norm_type) for m in self._models
-                 if any(id(p) in ids for p in m.parameters())]
-        self._clipped = True
-        if norms:
-            return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), norm_type)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-
-    def _unscale_all(self) -> None:
-        if self.scaler is not None:
-            for opt in self._optimizers:
-                opt.unscale()
-
-    def _after_step(self) -> None:
-        """Called by a prepared optimizer after a real step."""
-        self._clipped = False
-        self.step += 1
+        return self.job.clip_grad_norm_(parameters, max_norm, norm_type)
 
     # ------------------------------------------------------------------ collectives and processes
     def gather(self, data: Any) -> Any:
@@ -386,7 +379,7 @@ class Accelerator:
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module inside a prepared model (its parameters hold this rank's shards;
         use ``full_state_dict`` for full weights)."""
-        return getattr(model, "module", model) if model in self._models else model
+        return getattr(model, "module", model) if any(model is m for m in self.job.models) else model
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Full (unsharded) CPU weights, keys as the user's ``module.state_dict()``; complete on rank 0."""
@@ -405,7 +398,7 @@ class Accelerator:
         """
         from .checkpoint import save_state
 
-        return save_state(self, directory, state_dict_type, save_total_limit)
+        return save_state(self.job, directory, state_dict_type, save_total_limit)
 
     def load_state(self, directory: str | os.PathLike, resume_from_checkpoint: bool = False) -> Path | None:
         """Restore everything ``save_state`` wrote; returns the folder loaded.
@@ -419,8 +412,8 @@ class Accelerator:
         from .checkpoint import load_state, resume
 
         if resume_from_checkpoint:
-            return resume(self, directory)
-        return load_state(self, directory)
+            return resume(self.job, directory)
+        return load_state(self.job, directory)
 
     def end(self) -> None:
         """Leave the process group and undo the prepared models' backend patches (safe to call twice)."""
@@ -431,7 +424,7 @@ class Accelerator:
             self._ended = True
 
     def _close_models(self) -> None:
-        for model in self._models:
+        for model in self.job.models:
             close = getattr(model, "close", None)
             if close is not None:
                 close()

@@ -3,21 +3,23 @@
 ``PreparedOptimizer`` is a ``torch.optim.Optimizer`` (isinstance checks keep working) that forwards
 its state to the user's optimizer and changes only when things happen:
 
-- ``step()`` and ``zero_grad()`` do nothing inside an accumulation window (``sync_gradients`` False);
-- ``step()`` clips to ``config.gradient_clipping`` if the loop did not clip in this step, then steps
-  through the backend (``Backend.optimizer_step``: never a second gradient reduction; XLA ends the
-  graph there) and, for fp16, through the grad scaler (a step with inf/nan gradients is skipped);
+- ``step()`` and ``zero_grad()`` do nothing inside an accumulation window (``job.sync_gradients``
+  False);
+- ``step()`` clips to the job's ``gradient_clipping`` if the loop did not clip in this step, then
+  steps through the backend (``Backend.optimizer_step``: never a second gradient reduction; XLA ends
+  the graph there) and, for fp16, through the grad scaler (a step with inf/nan gradients is skipped);
 - ``stepped`` tells the scheduler whether the parameters really changed.
+
+Both receive the job's ``JobState`` explicitly; neither knows the Accelerator.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from .accelerator import Accelerator
+from .job import JobState
 
 
 class _BackendStepper:
@@ -46,13 +48,13 @@ class _BackendStepper:
 class PreparedOptimizer(torch.optim.Optimizer):
     """The user's optimizer, stepped at accumulation boundaries through the backend and scaler."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, accelerator: Accelerator, model: Any = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, job: JobState, model: Any = None) -> None:
         # Optimizer.__init__ is not called on purpose: all state lives in the wrapped optimizer.
         self.optimizer = optimizer
-        self.accelerator = accelerator
+        self.job = job
         self.model = model
         self.stepped = False
-        self._stepper = _BackendStepper(optimizer, accelerator.backend)
+        self._stepper = _BackendStepper(optimizer, job.backend)
         self._unscaled = False
 
     # state forwarding (schedulers and user code read and write these)
@@ -93,12 +95,12 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients, except inside an accumulation window (they are still accumulating)."""
-        if self.accelerator.sync_gradients:
+        if self.job.sync_gradients:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def unscale(self) -> None:
         """Divide the fp16 gradients by the loss scale (once per step; before clipping)."""
-        scaler = self.accelerator.scaler
+        scaler = self.job.scaler
         if scaler is not None and not self._unscaled:
             scaler.unscale_(self._stepper)
             self._unscaled = True
@@ -108,14 +110,14 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("a prepared optimizer does not take a closure: compute the loss before step()")
         self.stepped = False
-        acc = self.accelerator
-        if not acc.sync_gradients:
+        job = self.job
+        if not job.sync_gradients:
             return
-        if acc.gradient_clipping > 0 and not acc._clipped and self.model is not None:
-            acc.clip_grad_norm_(self.model.parameters(), acc.gradient_clipping)
-        scaler = acc.scaler
+        if job.gradient_clipping > 0 and not job.clipped and self.model is not None:
+            job.clip_grad_norm_(self.model.parameters(), job.gradient_clipping)
+        scaler = job.scaler
         if scaler is None:
-            acc.backend.optimizer_step(self.optimizer)
+            job.backend.optimizer_step(self.optimizer)
             self.stepped = True
         else:
             before = scaler.get_scale()
@@ -124,7 +126,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
             # The scale only shrinks when the step was skipped for inf/nan gradients.
             self.stepped = scaler.get_scale() >= before
             self._unscaled = False
-        acc._after_step()
+        job.finish_optimizer_step()
 
     def __repr__(self) -> str:
         return f"PreparedOptimizer({self.optimizer!r})"

@@ -53,7 +53,7 @@ from .files import (
 )
 
 if TYPE_CHECKING:
-    from ..accelerator import Accelerator
+    from ..job import JobState
 
 __all__ = ["CheckpointError", "CheckpointMismatchError", "latest_checkpoint", "load_state", "save_state"]
 
@@ -62,23 +62,23 @@ log = get_logger("xshard.checkpoint")
 _COUNTS = ("models", "optimizers", "schedulers", "data_loaders", "fp16_scaler")
 
 
-def _job(acc: Accelerator) -> dict[str, Any]:
+def _job(job: JobState) -> dict[str, Any]:
     return {
-        "world_size": acc.world_size,
-        "stage": acc.sharding_options().stage,
-        "backend": acc.backend.name,
-        "models": len(acc._models),
-        "optimizers": len(acc._optimizers),
-        "schedulers": len(acc._schedulers),
-        "data_loaders": len(acc._loaders),
-        "fp16_scaler": acc.scaler is not None,
+        "world_size": job.world_size,
+        "stage": job.stage(),
+        "backend": job.backend.name,
+        "models": len(job.models),
+        "optimizers": len(job.optimizers),
+        "schedulers": len(job.schedulers),
+        "data_loaders": len(job.loaders),
+        "fp16_scaler": job.scaler is not None,
     }
 
 
-def _rng_state(acc: Accelerator) -> dict[str, Any]:
+def _rng_state(job: JobState) -> dict[str, Any]:
     # Plain tensors, tuples and ints only, so that torch.load(weights_only=True) reads it back.
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    device = acc.backend.rng_state()
+    device = job.backend.rng_state()
     if device is not None:
         state["device"] = device.detach().cpu()
     try:
@@ -91,10 +91,10 @@ def _rng_state(acc: Accelerator) -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(acc: Accelerator, state: dict[str, Any]) -> None:
+def _set_rng_state(job: JobState, state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    acc.backend.set_rng_state(state.get("device"))
+    job.backend.set_rng_state(state.get("device"))
     if "numpy" in state:
         import numpy as np
 
@@ -108,7 +108,7 @@ def _model_config(model: Any) -> str | None:
     return to_json() if callable(to_json) else None
 
 
-def save_state(acc: Accelerator, directory: str | os.PathLike, state_dict_type: str | None = None,
+def save_state(job: JobState, directory: str | os.PathLike, state_dict_type: str | None = None,
                save_total_limit: int | None = None) -> Path:
     """Write the job's state to ``directory`` (every rank calls this); returns the final path.
 
@@ -116,62 +116,62 @@ def save_state(acc: Accelerator, directory: str | os.PathLike, state_dict_type: 
     afterwards keep only that many complete checkpoints in ``directory``'s parent folder, deleting the
     oldest (never the one just written).
     """
-    kind = state_dict_type or acc.config.state_dict_type
+    kind = state_dict_type or job.config.state_dict_type
     if kind not in formats.STATE_DICT_TYPES:
         raise ValueError(f"state_dict_type={kind!r}: use one of {', '.join(formats.STATE_DICT_TYPES)}")
     final = Path(directory)
-    if acc._micro_step != 0:
+    if job.micro_step != 0:
         warnings.warn(
-            f"save_state({str(final)!r}) inside an accumulation window ({acc._micro_step} of "
-            f"{acc.gradient_accumulation_steps} micro-steps done): the gradients accumulated so far are not "
+            f"save_state({str(final)!r}) inside an accumulation window ({job.micro_step} of "
+            f"{job.gradient_accumulation_steps} micro-steps done): the gradients accumulated so far are not "
             "saved, so a resumed run steps with fewer samples in this window. Save after optimizer.step() "
             "at the end of a window (when accelerator.sync_gradients is True) to resume exactly.",
             stacklevel=3,
         )
-    tmp = begin(final, acc.is_main_process)
-    acc.wait_for_everyone()
-    acc.backend.mark_step()  # compiled devices: materialise pending updates before reading tensors
+    tmp = begin(final, job.is_main_process)
+    job.barrier()
+    job.backend.mark_step()  # compiled devices: materialise pending updates before reading tensors
 
-    writer = FileWriter(tmp, acc.rank)
+    writer = FileWriter(tmp, job.rank)
     tables: dict[str, Any] = {}
-    models = acc._models
+    models = job.models
     for i, model in enumerate(models):
         if kind == "full":
-            weights = acc.full_state_dict(model)  # every rank takes part; complete on rank 0
-            if acc.is_main_process:
+            weights = model.full_state_dict(rank0_only=True)  # every rank takes part; complete on rank 0
+            if job.is_main_process:
                 tables[f"model{i}"] = formats.write_full_model(writer, i, weights)
             del weights
         else:
             tables[f"model{i}"] = formats.write_model_rows(writer, i, model)
     groups = []
     if kind == "sharded":
-        for i, opt in enumerate(acc._optimizers):
+        for i, opt in enumerate(job.optimizers):
             tables[f"optimizer{i}"], record = formats.write_optimizer_rows(writer, i, opt.optimizer, models)
             groups.append(record)
-        if acc.is_main_process:
+        if job.is_main_process:
             writer.torch("optimizer.groups.pt", groups)
     else:
-        writer.torch(f"optimizer.rank{acc.rank}.pt", [opt.state_dict() for opt in acc._optimizers])
-    writer.torch(f"rng.rank{acc.rank}.pt", _rng_state(acc))
-    if acc.is_main_process:
-        writer.torch("scheduler.pt", [s.state_dict() for s in acc._schedulers])
-        writer.torch("data.pt", [d.state_dict() for d in acc._loaders])
-        if acc.scaler is not None:
-            writer.torch("scaler.pt", acc.scaler.state_dict())
+        writer.torch(f"optimizer.rank{job.rank}.pt", [opt.state_dict() for opt in job.optimizers])
+    writer.torch(f"rng.rank{job.rank}.pt", _rng_state(job))
+    if job.is_main_process:
+        writer.torch("scheduler.pt", [s.state_dict() for s in job.schedulers])
+        writer.torch("data.pt", [d.state_dict() for d in job.loaders])
+        if job.scaler is not None:
+            writer.torch("scaler.pt", job.scaler.state_dict())
         config_json = _model_config(models[0]) if models else None
         if config_json is not None:
             writer.text("config.json", config_json)
     # Each rank's file list and row tables travel to rank 0 through the shared folder.
-    fragment = tmp / f"fragment.rank{acc.rank}.json"
+    fragment = tmp / f"fragment.rank{job.rank}.json"
     fragment.write_text(json.dumps({"files": writer.files, "tables": tables}, default=str))
-    acc.wait_for_everyone()
+    job.barrier()
 
-    if acc.is_main_process:
+    if job.is_main_process:
         from .. import __version__
 
         files: dict[str, Any] = {}
         parts: dict[str, list[dict[str, Any]]] = {}
-        for rank in range(acc.world_size):
+        for rank in range(job.world_size):
             path = tmp / f"fragment.rank{rank}.json"
             part = json.loads(path.read_text())
             path.unlink()
@@ -182,10 +182,10 @@ def save_state(acc: Accelerator, directory: str | os.PathLike, state_dict_type: 
             "format_version": FORMAT_VERSION,
             "xshard_version": __version__,
             "state_dict_type": kind,
-            **_job(acc),
-            "step": acc.step,
-            "micro_step": acc._micro_step,
-            "config": acc.config.to_dict(),
+            **_job(job),
+            "step": job.step,
+            "micro_step": job.micro_step,
+            "config": job.config.to_dict(),
             "tables": {name: formats.merge_tables(p) for name, p in parts.items()},
             "files": files,
         }
@@ -195,18 +195,18 @@ def save_state(acc: Accelerator, directory: str | os.PathLike, state_dict_type: 
         if save_total_limit is not None:
             for path in rotate(final.parent, save_total_limit, final):
                 log.info("deleted old checkpoint %s (save_total_limit=%d)", path, save_total_limit)
-    acc.wait_for_everyone()
+    job.barrier()
     return final
 
 
-def _read_everything(acc: Accelerator, root: Path) -> dict[str, Any]:
+def _read_everything(job: JobState, root: Path) -> dict[str, Any]:
     """Read and check all this rank needs from the checkpoint; change nothing."""
     manifest = read_manifest(root)
     kind = manifest.get("state_dict_type")
     if kind not in formats.STATE_DICT_TYPES:
         raise CheckpointError(f"{root / MANIFEST}: key 'state_dict_type' is {kind!r}, expected one of "
                               f"{', '.join(formats.STATE_DICT_TYPES)}")
-    now = _job(acc)
+    now = _job(job)
     if kind == "sharded":
         formats.check_same_job(manifest, now, root, _COUNTS)
     else:
@@ -214,32 +214,32 @@ def _read_everything(acc: Accelerator, root: Path) -> dict[str, Any]:
     reader = formats.RowReader(root, manifest)
     tables = manifest.get("tables", {})
     plan: dict[str, Any] = {"manifest": manifest, "models": [], "optimizers": []}
-    for i, model in enumerate(acc._models):
+    for i, model in enumerate(job.models):
         table = tables.get(f"model{i}")
         if table is None:
             raise CheckpointError(f"{root / MANIFEST}: key 'tables' has no 'model{i}'")
         plan["models"].append(formats.read_model_rows(reader, table, model, f"model {i}"))
     if kind == "sharded":
         records = load_torch(root, "optimizer.groups.pt", manifest)
-        for i, opt in enumerate(acc._optimizers):
+        for i, opt in enumerate(job.optimizers):
             plan["optimizers"].append(formats.read_optimizer_rows(
-                reader, tables.get(f"optimizer{i}", {}), records[i], opt.optimizer, acc._models, f"optimizer {i}"))
+                reader, tables.get(f"optimizer{i}", {}), records[i], opt.optimizer, job.models, f"optimizer {i}"))
     else:
-        plan["optimizers"] = formats.load_rank_optimizers(root, manifest, acc.rank)
+        plan["optimizers"] = formats.load_rank_optimizers(root, manifest, job.rank)
     plan["schedulers"] = load_torch(root, "scheduler.pt", manifest)
     plan["data"] = load_torch(root, "data.pt", manifest)
-    plan["scaler"] = load_torch(root, "scaler.pt", manifest) if acc.scaler is not None else None
-    rng_name = f"rng.rank{acc.rank}.pt"
+    plan["scaler"] = load_torch(root, "scaler.pt", manifest) if job.scaler is not None else None
+    rng_name = f"rng.rank{job.rank}.pt"
     # A different world size: ranks without their own RNG file take rank 0's (and say so).
     plan["rng"] = load_torch(root, rng_name if rng_name in manifest["files"] else "rng.rank0.pt", manifest)
     return plan
 
 
-def _agree(acc: Accelerator, error: BaseException | None, root: Path) -> None:
+def _agree(job: JobState, error: BaseException | None, root: Path) -> None:
     """Every rank learns whether any rank failed to read the checkpoint, so all raise or none does."""
-    if acc.world_size > 1:
-        flag = torch.tensor([0.0 if error is None else 1.0], device=acc.device)
-        acc.backend.collectives.all_reduce(flag, op="sum")
+    if job.world_size > 1:
+        flag = torch.tensor([0.0 if error is None else 1.0], device=job.backend.device())
+        job.backend.collectives.all_reduce(flag, op="sum")
         failed = int(flag.item())
     else:
         failed = int(error is not None)
@@ -250,7 +250,7 @@ def _agree(acc: Accelerator, error: BaseException | None, root: Path) -> None:
                               "their log); nothing was loaded")
 
 
-def load_state(acc: Accelerator, directory: str | os.PathLike) -> Path:
+def load_state(job: JobState, directory: str | os.PathLike) -> Path:
     """Restore what ``save_state`` wrote into the objects this Accelerator prepared; returns the path.
 
     Everything is read and checked first; the model, optimizer and the rest change only when every
@@ -263,39 +263,39 @@ def load_state(acc: Accelerator, directory: str | os.PathLike) -> Path:
     error: BaseException | None = None
     plan: dict[str, Any] = {}
     try:
-        plan = _read_everything(acc, root)
+        plan = _read_everything(job, root)
     except Exception as exc:  # every failure must reach _agree, or the other ranks would wait forever
-        log.error("rank %d cannot load %s: %s", acc.rank, root, exc)
+        log.error("rank %d cannot load %s: %s", job.rank, root, exc)
         error = exc if isinstance(exc, CheckpointError) else CheckpointError(f"{root}: {exc}")
         if error is not exc:
             error.__cause__ = exc
-    _agree(acc, error, root)
+    _agree(job, error, root)
 
     from ..sharding.state_dict import load_local_pieces
 
-    for model, rows in zip(acc._models, plan["models"], strict=True):
+    for model, rows in zip(job.models, plan["models"], strict=True):
         load_local_pieces(model, rows)
-    for opt, state in zip(acc._optimizers, plan["optimizers"], strict=True):
+    for opt, state in zip(job.optimizers, plan["optimizers"], strict=True):
         opt.load_state_dict(state)
-    for sched, state in zip(acc._schedulers, plan["schedulers"], strict=True):
+    for sched, state in zip(job.schedulers, plan["schedulers"], strict=True):
         sched.load_state_dict(state)
-    for loader, state in zip(acc._loaders, plan["data"], strict=True):
+    for loader, state in zip(job.loaders, plan["data"], strict=True):
         loader.load_state_dict(state)
-    if acc.scaler is not None:
-        acc.scaler.load_state_dict(plan["scaler"])
-    _set_rng_state(acc, plan["rng"])
+    if job.scaler is not None:
+        job.scaler.load_state_dict(plan["scaler"])
+    _set_rng_state(job, plan["rng"])
     manifest = plan["manifest"]
-    acc._micro_step = int(manifest.get("micro_step", 0))
-    acc.step = int(manifest.get("step", 0))
-    acc.wait_for_everyone()
-    log.info("resumed from %s (step %d)", root, acc.step)
+    job.micro_step = int(manifest.get("micro_step", 0))
+    job.step = int(manifest.get("step", 0))
+    job.barrier()
+    log.info("resumed from %s (step %d)", root, job.step)
     return root
 
 
-def resume(acc: Accelerator, output_dir: str | os.PathLike) -> Path | None:
+def resume(job: JobState, output_dir: str | os.PathLike) -> Path | None:
     """Load the newest complete checkpoint under ``output_dir``; None (and nothing loaded) if there is none."""
     path = latest_checkpoint(output_dir)
     if path is None:
         log.info("no complete checkpoint under %s: starting from scratch", output_dir)
         return None
-    return load_state(acc, path)
+    return load_state(job, path)

@@ -1,0 +1,121 @@
+"""JobState: what one training job has prepared and where it stands in its steps.
+
+The ``Accelerator`` owns one ``JobState``; the prepared optimizers and schedulers and the checkpoint
+code receive it explicitly and read or update only what is written here, so none of them reaches
+into the Accelerator (and nothing imports it back: the import graph has no circle).
+
+Design note, the accumulation window: ``begin_micro_step`` decides at the start of each micro-step
+whether it ends the window (the optimizer really steps, gradients are synchronised). The window
+closes after ``gradient_accumulation_steps`` micro-steps, and always on the last batch of an epoch,
+whose gradients would otherwise leak into the next epoch. Every decision depends only on counters
+that are the same on every rank, so every rank synchronises at the same micro-step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .backends import Backend
+
+
+@dataclass
+class JobState:
+    """Prepared objects, step counters and the accumulation window of one training job.
+
+    Attributes:
+        backend: the job's Backend (world, collectives, device hooks).
+        config: the job's ``XShardConfig``.
+        gradient_accumulation_steps: micro-steps per optimizer step.
+        gradient_clipping: max global gradient norm applied at each step when the loop did not
+            clip itself (0: none).
+        scaler: the fp16 grad scaler, or None.
+        models, optimizers, schedulers, loaders: what ``prepare`` returned, in preparation order.
+        step: real optimizer steps taken (saved in checkpoints).
+        micro_step: micro-steps done in the current accumulation window.
+        sync_gradients: True on micro-steps that end the window.
+        clipped: the loop clipped the gradients in the current step.
+    """
+
+    backend: Backend
+    config: Any
+    gradient_accumulation_steps: int = 1
+    gradient_clipping: float = 0.0
+    scaler: Any = None
+    models: list[Any] = field(default_factory=list)
+    optimizers: list[Any] = field(default_factory=list)
+    schedulers: list[Any] = field(default_factory=list)
+    loaders: list[Any] = field(default_factory=list)
+    step: int = 0
+    micro_step: int = 0
+    sync_gradients: bool = True
+    clipped: bool = False
+
+    # ------------------------------------------------------------------ the world
+    @property
+    def rank(self) -> int:
+        """Global rank of this process."""
+        return self.backend.world.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the job."""
+        return self.backend.world.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on global rank 0."""
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        """Every rank waits until all reach this point."""
+        if self.world_size > 1:
+            self.backend.collectives.barrier()
+
+    # ------------------------------------------------------------------ the step
+    def begin_micro_step(self, end_of_epoch: bool = False) -> bool:
+        """Count one micro-step; returns (and records) whether it ends the accumulation window."""
+        self.micro_step += 1
+        self.sync_gradients = self.micro_step >= self.gradient_accumulation_steps or end_of_epoch
+        if self.sync_gradients:
+            self.micro_step = 0
+        return self.sync_gradients
+
+    def end_of_epoch(self) -> bool:
+        """Is a prepared data loader handing out the last batch of its epoch?"""
+        return any(loader.end_of_epoch for loader in self.loaders)
+
+    def finish_optimizer_step(self) -> None:
+        """A prepared optimizer really stepped: count it and open a new step."""
+        self.clipped = False
+        self.step += 1
+
+    def unscale_gradients(self) -> None:
+        """Divide fp16 gradients by the loss scale, once per optimizer per step (before clipping)."""
+        if self.scaler is not None:
+            for optimizer in self.optimizers:
+                optimizer.unscale()
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip to a global norm over every rank's gradient shards; every rank returns the same norm.
+
+        Prepared models compute one norm over all their gradients (the core knows which are shards);
+        parameters of no prepared model are clipped as plain PyTorch does.
+        """
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        ids = {id(p) for p in params}
+        self.unscale_gradients()
+        norms = [m.clip_grad_norm_(max_norm, norm_type) for m in self.models
+                 if any(id(p) in ids for p in m.parameters())]
+        self.clipped = True
+        if norms:
+            return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+    def stage(self) -> int:
+        """The ZeRO stage the config asks for."""
+        return int(self.config.stage)
