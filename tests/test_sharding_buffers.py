@@ -46,7 +46,7 @@ def _run(rank: int, world: int) -> dict:
                     sp.gather_target.untyped_storage().data_ptr() == sp.full.untyped_storage().data_ptr()
                     and sp.full.untyped_storage().nbytes() == sp.gather_numel * sp.full.element_size()
                     for sp in root.params)
-                out[(3, "padded")] = any(sp.gather_numel > sp.geom.numel for sp in root.params)
+                out[(3, "padded")] = any(sp.gather_numel > sp.layout.numel for sp in root.params)
                 names = {id(p): n for n, p in sm.module.named_parameters()}
                 out[(3, "root_values")] = all(torch.equal(sp.full.detach(), reference[names[id(sp.user)]])
                                               for sp in root.params)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..sharding.state_dict import rows_of
+from ..sharding.layout import rows_of
 from .files import MANIFEST, CheckpointError, read_manifest, verify_file
 from .formats import RowReader
 

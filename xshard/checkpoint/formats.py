@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from ..sharding.state_dict import local_pieces, rows_of
+from ..sharding.layout import rows_of
+from ..sharding.state_dict import local_pieces
 from .files import (
     MANIFEST,
     CheckpointError,

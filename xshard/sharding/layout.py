@@ -20,30 +20,68 @@ from dataclasses import dataclass
 import torch
 
 
+def rows_of(shape: tuple[int, ...] | torch.Size) -> int:
+    """Number of dim-0 rows of a tensor of ``shape`` (a 0-dim tensor is one row)."""
+    return int(shape[0]) if len(shape) else 1
+
+
 @dataclass(frozen=True)
-class ParamGeometry:
-    """Where one parameter's shard lives, for a given world size and rank."""
+class ShardLayout:
+    """Which dim-0 rows of a tensor of ``shape`` rank ``rank`` of ``world_size`` holds, and its padding.
+
+    The one definition of the core's shard geometry: units, state dicts, materialization, checkpoint
+    formats and consolidation all ask this object, so a checkpoint's row tables and the live shards
+    can never disagree. Rank ``r`` holds rows ``[start, stop)`` (``ceil(rows / world_size)`` rows
+    per rank; the last ranks' ranges may be short or empty) and, in flat terms, elements
+    ``[r * seg, r * seg + local_numel)`` of the tensor, padded to ``seg`` elements.
+    """
 
     shape: torch.Size
-    numel: int
-    seg: int  # padded shard size in elements (identical on every rank)
-    local_numel: int  # this rank's real (unpadded) shard size
-    local_shape: torch.Size  # this rank's shard shape, (rows, *rest)
+    world_size: int
+    rank: int
+    rows_per_rank: int
+    row_numel: int
+    start: int  # first row this rank holds
+    stop: int  # one past the last row this rank holds
 
     @classmethod
-    def of(cls, shape: torch.Size, world_size: int, rank: int) -> ParamGeometry:
+    def of(cls, shape: tuple[int, ...] | torch.Size, world_size: int, rank: int) -> ShardLayout:
         shape = torch.Size(shape)
-        numel = math.prod(shape)
-        if len(shape) == 0:
-            d0, rest = 1, ()
-        else:
-            d0, rest = shape[0], tuple(shape[1:])
-        row = math.prod(rest) if rest else 1
-        rows_per_rank = -(-d0 // world_size) if d0 else 0
-        start = min(rank * rows_per_rank, d0)
-        stop = min(start + rows_per_rank, d0)
-        local_shape = torch.Size((stop - start, *rest)) if len(shape) else torch.Size((stop - start,))
-        return cls(shape, numel, rows_per_rank * row, (stop - start) * row, local_shape)
+        rows = rows_of(shape)
+        row_numel = math.prod(shape[1:]) if len(shape) > 1 else 1
+        rows_per_rank = -(-rows // world_size) if rows else 0
+        start = min(rank * rows_per_rank, rows)
+        return cls(shape, world_size, rank, rows_per_rank, row_numel, start, min(start + rows_per_rank, rows))
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole tensor."""
+        return math.prod(self.shape)
+
+    @property
+    def seg(self) -> int:
+        """Padded shard size in elements (the same on every rank)."""
+        return self.rows_per_rank * self.row_numel
+
+    @property
+    def local_numel(self) -> int:
+        """Real (unpadded) elements this rank holds."""
+        return (self.stop - self.start) * self.row_numel
+
+    @property
+    def local_shape(self) -> torch.Size:
+        """Shape of this rank's shard: ``(rows held, *shape[1:])`` (a 0-dim tensor: ``(rows held,)``)."""
+        return torch.Size((self.stop - self.start, *self.shape[1:]))
+
+    @property
+    def gather_numel(self) -> int:
+        """Elements of an all-gather of every rank's padded shard (>= numel)."""
+        return self.world_size * self.seg
+
+    def local_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the whole tensor ``full``, shaped ``local_shape`` (a view where possible)."""
+        start = self.start * self.row_numel
+        return full.reshape(-1)[start:start + self.local_numel].view(self.local_shape)
 
 
 @dataclass(frozen=True)

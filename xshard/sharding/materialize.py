@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from .layout import ShardLayout
 
 #: ``read_rows(names, start, stop, shape, dtype)``: rows ``start:stop`` (dim 0) of the tensor stored
 #: under the first of ``names`` that exists (a tied parameter has several names). ``shape`` and
@@ -55,22 +56,6 @@ def meta_parameters() -> Iterator[None]:
         nn.Module.register_parameter = original
 
 
-@dataclass(frozen=True)
-class RowRange:
-    """The dim-0 rows ``[start, stop)`` of a parameter that one rank holds."""
-
-    start: int
-    stop: int
-
-
-def shard_rows(shape: torch.Size, world_size: int, rank: int) -> RowRange:
-    """The rows of a parameter of ``shape`` that ``rank`` holds (the core's dim-0 layout, ``layout.py``)."""
-    d0 = shape[0] if len(shape) else 1
-    per_rank = -(-d0 // world_size) if d0 else 0
-    start = min(rank * per_rank, d0)
-    return RowRange(start, min(start + per_rank, d0))
-
-
 def parameter_names(module: nn.Module) -> dict[int, list[str]]:
     """id(parameter) -> every qualified name it is registered under (tied weights have several)."""
     names: dict[int, list[str]] = {}
@@ -79,22 +64,14 @@ def parameter_names(module: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def _read(read_rows: RowReader, names: list[str], rows: RowRange, shape: torch.Size,
-          dtype: torch.dtype) -> torch.Tensor:
-    value = read_rows(names, rows.start, rows.stop, shape, dtype)
-    want = (rows.stop - rows.start, *shape[1:]) if len(shape) else (1,)
-    if value.numel() != _numel(want):
+def _read(read_rows: RowReader, names: list[str], rows: ShardLayout, dtype: torch.dtype) -> torch.Tensor:
+    """The rows ``rows`` describes, read and checked against the parameter's shape."""
+    value = read_rows(names, rows.start, rows.stop, rows.shape, dtype)
+    if value.numel() != rows.local_numel:
         raise ValueError(f"{names[0]}: the checkpoint gave rows of shape {tuple(value.shape)} for rows "
-                         f"{rows.start}:{rows.stop} of a parameter of shape {tuple(shape)}; the checkpoint does "
-                         "not match the model's config")
-    return value.reshape(want)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+                         f"{rows.start}:{rows.stop} of a parameter of shape {tuple(rows.shape)}; the checkpoint "
+                         "does not match the model's config")
+    return value.reshape(rows.local_shape)
 
 
 def fill_shards(model: nn.Module, read_rows: RowReader) -> int:
@@ -107,11 +84,9 @@ def fill_shards(model: nn.Module, read_rows: RowReader) -> int:
     read = 0
     with torch.no_grad():
         for unit in model.units:
-            rank, world = unit.rt.rank, unit.rt.world_size
             for sp in unit.params:
-                rows = shard_rows(sp.geom.shape, world, rank)
-                value = _read(read_rows, names[id(sp.user)], rows, sp.geom.shape, sp.dtype)
-                sp.user.copy_(value.reshape(sp.geom.local_shape))
+                value = _read(read_rows, names[id(sp.user)], sp.layout, sp.dtype)
+                sp.user.copy_(value.reshape(sp.layout.local_shape))
                 read += value.numel()
             unit.stale = True
     return read
@@ -134,8 +109,7 @@ def fill_parameters(module: nn.Module, read_rows: RowReader, device: torch.devic
     read = 0
     with torch.no_grad():
         for key, p in params.items():
-            rows = shard_rows(p.shape, 1, 0)
-            value = _read(read_rows, names[key], rows, p.shape, p.dtype).reshape(p.shape)
+            value = _read(read_rows, names[key], ShardLayout.of(p.shape, 1, 0), p.dtype).reshape(p.shape)
             real = nn.Parameter(value.to(device=device, dtype=p.dtype), requires_grad=p.requires_grad)
             for sub, attr in places[key]:
                 sub._parameters[attr] = real

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .layout import unpack_rows
+from .layout import rows_of, unpack_rows
 from .unit import Unit, plan_buffer, segment
 
 
@@ -26,11 +26,11 @@ def _gather_unit(unit: Unit, keep: bool, mark_step: Any) -> dict[int, torch.Tens
         return {}
     rt = unit.rt
     dtypes = [sp.dtype for sp in unit.params]
-    buf_dtype, layout = plan_buffer([sp.geom.seg for sp in unit.params], dtypes)
+    buf_dtype, layout = plan_buffer([sp.layout.seg for sp in unit.params], dtypes)
     send = torch.zeros(layout.row_numel, dtype=buf_dtype, device=rt.device)
     with torch.no_grad():
         for i, sp in enumerate(unit.params):
-            segment(send, layout, i, sp.dtype)[: sp.geom.local_numel].copy_(sp.user.detach().reshape(-1))
+            segment(send, layout, i, sp.dtype)[: sp.layout.local_numel].copy_(sp.user.detach().reshape(-1))
     recv = torch.empty(layout.row_numel * rt.world_size, dtype=buf_dtype, device=rt.device)
     rt.collectives.all_gather_into_tensor(recv, send)
     mark_step()
@@ -39,7 +39,7 @@ def _gather_unit(unit: Unit, keep: bool, mark_step: Any) -> dict[int, torch.Tens
     grid = recv.view(rt.world_size, layout.row_numel)
     out = {}
     for i, sp in enumerate(unit.params):
-        full = torch.empty(sp.geom.shape, dtype=sp.dtype, device="cpu")
+        full = torch.empty(sp.layout.shape, dtype=sp.dtype, device="cpu")
         unpack_rows(segment(grid, layout, i, sp.dtype).cpu(), full.view(-1))
         out[id(sp.user)] = full
     return out
@@ -93,14 +93,14 @@ def load_full_state_dict(model: Any, state_dict: dict[str, torch.Tensor]) -> Non
                 if key in buffers:
                     buffers[key].copy_(value)
                 continue
-            if tuple(value.shape) != tuple(p.shape if id(p) not in shard_of else shard_of[id(p)].geom.shape):
+            if tuple(value.shape) != tuple(p.shape if id(p) not in shard_of else shard_of[id(p)].layout.shape):
                 raise ValueError(f"state dict entry {key!r} has shape {tuple(value.shape)}, the model's "
-                                 f"parameter has {tuple(shard_of[id(p)].geom.shape if id(p) in shard_of else p.shape)}")
+                                 f"parameter has {tuple(shard_of[id(p)].layout.shape if id(p) in shard_of else p.shape)}")
             sp = shard_of.get(id(p))
             if sp is None:
                 p.copy_(value)
                 continue
-            g = sp.geom
+            g = sp.layout
             flat = value.reshape(-1)[rank * g.seg: rank * g.seg + g.local_numel]
             p.copy_(flat.view(g.local_shape))  # in place on the user's Parameter: bumps its version
     for unit in model.units:
@@ -128,19 +128,6 @@ class LocalPiece:
         self.sharded = sharded
 
 
-def rows_of(shape: tuple[int, ...]) -> int:
-    """Number of dim-0 rows of a tensor of ``shape`` (a 0-dim tensor is one row)."""
-    return int(shape[0]) if len(shape) else 1
-
-
-def row_range(shape: tuple[int, ...], world_size: int, rank: int) -> tuple[int, int]:
-    """Rows of a parameter of ``shape`` that ``rank`` of ``world_size`` holds (layout.ParamGeometry)."""
-    d0 = rows_of(shape)
-    per = -(-d0 // world_size) if d0 else 0
-    start = min(rank * per, d0)
-    return start, min(start + per, d0)
-
-
 def local_pieces(model: Any) -> dict[str, LocalPiece]:
     """Every key of ``module.state_dict()`` -> the piece this rank holds (tied keys share one tensor)."""
     module = model.module
@@ -152,8 +139,8 @@ def local_pieces(model: Any) -> dict[str, LocalPiece]:
         found = shard_of.get(id(p)) if p is not None else None
         if found is not None:
             sp, rt = found
-            shape = tuple(sp.geom.shape)
-            start, stop = row_range(shape, rt.world_size, rt.rank)
+            shape = tuple(sp.layout.shape)
+            start, stop = sp.layout.start, sp.layout.stop
             sharded = rt.world_size > 1
         else:
             shape = tuple(value.shape)

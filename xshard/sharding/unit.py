@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .layout import FlatLayout, ParamGeometry
+from .layout import FlatLayout, ShardLayout
 from .wrap import UnitSpec, param_owner_is_norm
 
 SHARDED, GATHERING, GATHERED = "sharded", "gathering", "gathered"
@@ -104,11 +104,11 @@ class ShardedParam:
         p = spec.param
         self.spec = spec
         self.user: nn.Parameter = p
-        self.geom = ParamGeometry.of(p.shape, rt.world_size, rt.rank)
+        self.layout = ShardLayout.of(p.shape, rt.world_size, rt.rank)
         self.dtype = p.dtype
         self.gather_dtype = gather_dtype
         self.trainable = p.requires_grad
-        g = self.geom
+        g = self.layout
         #: elements of the gather target: ``world_size`` padded shards (>= numel when dim 0 does
         #: not divide by the world size); the full parameter is its first ``numel`` elements
         self.gather_numel = rt.world_size * g.seg
@@ -163,7 +163,7 @@ class Unit:
             self.params.append(ShardedParam(ps, rt, dtype))
         self.trainable = [sp for sp in self.params if sp.trainable]
         self.reduce_dtype = rt.reduce_dtype or rt.param_dtype
-        self.reduce_layout = FlatLayout.of([sp.geom.seg for sp in self.trainable])
+        self.reduce_layout = FlatLayout.of([sp.layout.seg for sp in self.trainable])
         self.state = GATHERED if rt.stage < 3 else SHARDED
         self.stamp = self.versions() if rt.stage < 3 else None
         # True when the full copies may not match the shards: at stages 1-2 they start from this
@@ -205,7 +205,7 @@ class Unit:
         targets, inputs = [], []
         with torch.no_grad():
             for sp in self.params:
-                seg = sp.geom.seg
+                seg = sp.layout.seg
                 if sp.gather_target is not None:
                     self._alloc(sp)
                     target = sp.gather_target
@@ -235,7 +235,7 @@ class Unit:
         handle.wait()
         if not self.rt.frees_storage_by_resize:
             for sp, target in zip(self.params, targets, strict=True):
-                sp.full.data = target[: sp.geom.numel].view(sp.geom.shape)
+                sp.full.data = target[: sp.layout.numel].view(sp.layout.shape)
         self.state = GATHERED
 
     def reshard(self) -> None:
@@ -292,7 +292,7 @@ class Unit:
         with torch.no_grad():
             for sp in self.trainable:
                 inputs.append(_reduce_input(sp.full.grad, sp.gather_numel, dtype, rt.device))
-                outputs.append(torch.empty(sp.geom.seg, dtype=dtype, device=rt.device))
+                outputs.append(torch.empty(sp.layout.seg, dtype=dtype, device=rt.device))
                 sp.full.grad = None
         comm = rt.collectives
         op, pre, post = _divide_factors(dtype, comm.world_size)
@@ -308,7 +308,7 @@ class Unit:
         buf = torch.empty(self.reduce_layout.row_numel, dtype=dtype, device=rt.device)
         with torch.no_grad():
             for off, sp in zip(self.reduce_layout.offsets, self.trainable, strict=True):
-                block = buf[off:off + sp.geom.seg]
+                block = buf[off:off + sp.layout.seg]
                 grad = sp.full.grad
                 if grad is None:
                     block.zero_()
@@ -320,14 +320,14 @@ class Unit:
         if pre != 1.0:
             buf.div_(pre)
         handle = comm.all_reduce(buf, op=op, async_op=True)
-        outs = [buf[off:off + sp.geom.seg] for off, sp in zip(self.reduce_layout.offsets, self.trainable, strict=True)]
+        outs = [buf[off:off + sp.layout.seg] for off, sp in zip(self.reduce_layout.offsets, self.trainable, strict=True)]
         return PendingReduce(self, handle, outs, [buf], post)
 
     def accumulate_grads(self, outs: list[torch.Tensor]) -> None:
         """Add this rank's reduced shard of every trainable parameter's gradient to ``param.grad``."""
         with torch.no_grad():
             for out, sp in zip(outs, self.trainable, strict=True):
-                shard = out[: sp.geom.local_numel].view(sp.geom.local_shape)
+                shard = out[: sp.layout.local_numel].view(sp.layout.local_shape)
                 # blocking: an asynchronous device-to-host copy could still be running when the
                 # optimizer reads an offloaded gradient
                 shard = shard.to(device=sp.user.device, dtype=sp.dtype)
