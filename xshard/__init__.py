@@ -37,6 +37,7 @@ def _bind_backends_from_source_tree() -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
+    globals()["backends"] = module  # as the import system does for a submodule it finds itself
 
 
 _bind_backends_from_source_tree()
