@@ -94,6 +94,12 @@ class Backend:
     install_hint: ClassVar[str] = ""
     #: other environment variables that change how this backend behaves (shown by `xshard env`)
     related_env_vars: ClassVar[tuple[str, ...]] = ()
+    #: tensors have resizable storage: the sharded core frees full parameters with
+    #: ``untyped_storage().resize_(0)`` (False: it replaces ``.data`` instead, as on XLA)
+    frees_storage_by_resize: ClassVar[bool] = True
+    #: the device compiles whole graphs (XLA): every new tensor shape is a new compilation, so the
+    #: data path keeps shapes static and nothing reads device values in the middle of a step
+    compiles_graphs: ClassVar[bool] = False
 
     def __init__(self, world: World | None = None) -> None:
         self.world = world if world is not None else World.from_env()
@@ -301,7 +307,7 @@ class Backend:
                 f"{self.name}: WORLD_SIZE={self.world.world_size} but no process group is running: "
                 "call backend.init_process_group() (Accelerator does this) first"
             )
-        return DistCollectives(native_avg=self.native_avg, **self.collective_options())
+        return DistCollectives(native_avg=self.native_avg, device=self.device(), **self.collective_options())
 
     def collective_options(self) -> dict[str, Any]:
         """Per-backend choices of how DistCollectives implements each operation."""
@@ -324,6 +330,11 @@ class Backend:
 
     def mark_step(self) -> None:
         """End of a training step (XLA cuts the graph here; eager devices do nothing)."""
+
+    def optimizer_step_patch(self) -> Any:
+        """Undo-able patch of a vendor step function that would reduce gradients again, held while a
+        sharded model lives (XLA: ``xm.optimizer_step``); an object with ``restore()``. Default: none."""
+        return NoPatch()
 
     def launcher(self) -> str:
         """How `xshard launch` starts local processes: "torchrun", "xla" or "single"."""
@@ -351,6 +362,19 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.world.rank}, world_size={self.world.world_size})"
+
+
+class NoPatch:
+    """A step patch that changes nothing (backends without a vendor step function to patch)."""
+
+    def restore(self) -> None:
+        """Nothing to undo."""
+
+    def __enter__(self) -> NoPatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
 
 
 def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedelta | None:

@@ -22,17 +22,30 @@ and the sum of the tensors' bytes, exactly as one flat operation over a packed b
 implementation picks the cheapest way: by default one collective over a packed buffer (what suits
 NCCL, HCCL and XLA: few large operations); ``DistCollectives`` with the gloo options works on each
 tensor in place, with no packing at all.
+
+Averages (``op="avg"``) are computed in one place, ``average_factors``: the collective's own AVG where
+the process group has one, else SUM then divide; fp16 sums of N values can overflow, so fp16 is
+pre-divided by about sqrt(N) and post-divided by the rest (as PyTorch FSDP does).
+
+Every call may carry a ``tag`` naming what it moves (e.g. "all-gather of unit layers.3"). Calls are
+numbered and fingerprinted (``CollectiveTrace``), so ``verify_same_collectives`` can tell, with one
+tiny all-reduce, whether every rank issued the same collectives since the last check, and name the
+first one where they differ (see ``DistCollectives``).
 """
 
 from __future__ import annotations
 
+import json
 import threading
-from collections import defaultdict
+import zlib
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from .errors import CollectiveMismatchError
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -67,6 +80,50 @@ class CommCounter:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+class CollectiveTrace:
+    """What this process issued since the last ``reset``: a count, a fingerprint, the latest entries.
+
+    The fingerprint chains a CRC of every entry (kind, tag, elements), so two ranks that issued the
+    same collectives in the same order have the same (count, fingerprint). Only the last ``keep``
+    entries are kept as text, for error messages (a long evaluation without checks stays bounded).
+    """
+
+    def __init__(self, keep: int = 512) -> None:
+        self.count = 0
+        self.fingerprint = 0
+        self.entries: deque[str] = deque(maxlen=keep)
+
+    def record(self, kind: str, tag: str | None, numel: int) -> None:
+        entry = f"{tag or kind} ({numel} elements)"
+        self.count += 1
+        self.fingerprint = zlib.crc32(entry.encode(), self.fingerprint)
+        self.entries.append(entry)
+
+    def reset(self) -> None:
+        self.count = 0
+        self.fingerprint = 0
+        self.entries.clear()
+
+    def numbered(self) -> list[tuple[int, str]]:
+        """The kept entries with their 1-based numbers since the last reset."""
+        first = self.count - len(self.entries) + 1
+        return [(first + i, e) for i, e in enumerate(self.entries)]
+
+
+def average_factors(dtype: torch.dtype, world_size: int) -> tuple[str, float, float]:
+    """(op, pre-divide, post-divide) for an average over ``world_size`` ranks of ``dtype`` values.
+
+    fp16 sums of N values can overflow: divide by about sqrt(N) before and the rest after (as PyTorch
+    FSDP does). Other dtypes use "avg" (native where the backend has it, SUM then divide otherwise).
+    """
+    if dtype == torch.float16 and world_size > 1:
+        pre = 1.0
+        while world_size % (pre * 2) == 0 and world_size / (pre * 2) >= pre * 2:
+            pre *= 2
+        return "sum", pre, world_size / pre
+    return "avg", 1.0, 1.0
 
 
 class Handle:
@@ -119,21 +176,25 @@ class Collectives:
 
     def __init__(self) -> None:
         self.counter = CommCounter()
+        self.trace = CollectiveTrace()
 
-    # All public methods return a Handle when async_op=True, else None (the work is done).
+    # All public methods return a Handle when async_op=True, else None (the work is done). ``tag``
+    # names what the call moves, for the collective trace and for error messages.
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                               tag: str | None = None):
         """Concatenate every rank's ``input`` (equal sizes) into ``output`` along dim 0."""
         if output.numel() != input.numel() * self.world_size:
             raise ValueError(
                 f"all_gather_into_tensor: output has {output.numel()} elements, expected "
                 f"{input.numel()} x world size {self.world_size}"
             )
-        self.counter.add("all_gather", _nbytes(output))
+        self._record("all_gather", tag, _nbytes(output), output.numel())
         return self._result(self._all_gather(output, input), async_op)
 
     def reduce_scatter_tensor(
-        self, output: torch.Tensor, input: torch.Tensor, op: str = "avg", async_op: bool = False
+        self, output: torch.Tensor, input: torch.Tensor, op: str = "avg", async_op: bool = False,
+        tag: str | None = None,
     ):
         """Reduce ``input`` over ranks and keep this rank's equal slice (dim 0) in ``output``.
 
@@ -146,28 +207,30 @@ class Collectives:
                 f"reduce_scatter_tensor: input has {input.numel()} elements, expected "
                 f"{output.numel()} x world size {self.world_size}"
             )
-        self.counter.add("reduce_scatter", _nbytes(input))
-        return self._result(self._reduce_scatter(output, input, op), async_op)
+        self._record("reduce_scatter", tag, _nbytes(input), input.numel())
+        op, post = self._pre_average(op, input.dtype, [input])
+        return self._result(self._post_average(self._reduce_scatter(output, input, op), [output], post), async_op)
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "avg", async_op: bool = False):
+    def all_reduce(self, tensor: torch.Tensor, op: str = "avg", async_op: bool = False, tag: str | None = None):
         """Reduce ``tensor`` in place over all ranks."""
         _check_op(op)
-        self.counter.add("all_reduce", 2 * _nbytes(tensor))
-        return self._result(self._all_reduce(tensor, op), async_op)
+        self._record("all_reduce", tag, 2 * _nbytes(tensor), tensor.numel())
+        op, post = self._pre_average(op, tensor.dtype, [tensor])
+        return self._result(self._post_average(self._all_reduce(tensor, op), [tensor], post), async_op)
 
     def all_gather_into_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                async_op: bool = False):
+                                async_op: bool = False, tag: str | None = None):
         """``all_gather_into_tensor`` for each pair, as one operation (one call, the outputs' bytes).
 
         Each output is contiguous with ``world_size`` times its input's elements. An input may be a
         view of its own output's chunk for this rank (in-place gather: nothing is staged for it).
         """
         _check_pairs("all_gather_into_tensors", outputs, inputs, self.world_size, gather=True)
-        self.counter.add("all_gather", sum(_nbytes(o) for o in outputs))
+        self._record("all_gather", tag, sum(_nbytes(o) for o in outputs), sum(o.numel() for o in outputs))
         return self._result(self._all_gather_many(list(outputs), list(inputs)), async_op)
 
     def reduce_scatter_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                               op: str = "avg", async_op: bool = False):
+                               op: str = "avg", async_op: bool = False, tag: str | None = None):
         """``reduce_scatter_tensor`` for each pair, as one operation (one call, the inputs' bytes).
 
         Inputs are contiguous, of one dtype, ``world_size`` times their output's elements, and
@@ -178,16 +241,54 @@ class Collectives:
         if len({t.dtype for t in inputs}) > 1:
             raise ValueError("reduce_scatter_tensors: inputs must share one dtype, got "
                              f"{sorted(str(d) for d in {t.dtype for t in inputs})}")
-        self.counter.add("reduce_scatter", sum(_nbytes(i) for i in inputs))
-        return self._result(self._reduce_scatter_many(list(outputs), list(inputs), op), async_op)
+        self._record("reduce_scatter", tag, sum(_nbytes(i) for i in inputs), sum(i.numel() for i in inputs))
+        op, post = self._pre_average(op, inputs[0].dtype, inputs)
+        handle = self._reduce_scatter_many(list(outputs), list(inputs), op)
+        return self._result(self._post_average(handle, outputs, post), async_op)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False):
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False, tag: str | None = None):
         """Copy rank ``src``'s ``tensor`` into every rank's ``tensor``."""
-        self.counter.add("broadcast", _nbytes(tensor))
+        self._record("broadcast", tag, _nbytes(tensor), tensor.numel())
         return self._result(self._broadcast(tensor, src), async_op)
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point."""
+
+    def verify_same_collectives(self) -> None:
+        """Check that every rank issued the same collectives since the last check (then start anew).
+
+        A no-op where there is nothing to compare (one process) or nothing to ask with (compiled
+        devices, whose ranks run one graph each); see ``DistCollectives``.
+        """
+        self.trace.reset()
+
+    # ------------------------------------------------------------------ accounting and averages
+    def _record(self, kind: str, tag: str | None, nbytes: int, numel: int) -> None:
+        self.counter.add(kind, nbytes)
+        self.trace.record(kind, tag, numel)
+
+    def _pre_average(self, op: str, dtype: torch.dtype, inputs: list[torch.Tensor]) -> tuple[str, float]:
+        """The op to issue for ``op`` on ``inputs``, pre-dividing them where ``average_factors`` says;
+        returns (op, post-divide)."""
+        if op != "avg":
+            return op, 1.0
+        op, pre, post = average_factors(dtype, self.world_size)
+        if pre != 1.0:
+            for t in inputs:
+                t.div_(pre)
+        return op, post
+
+    @staticmethod
+    def _post_average(handle: Handle, outputs: list[torch.Tensor], post: float) -> Handle:
+        """``handle``, with its outputs divided by ``post`` when it completes (no-op for 1.0)."""
+        if post == 1.0:
+            return handle
+
+        def divide() -> None:
+            for t in outputs:
+                t.div_(post)
+
+        return Handle([handle], outputs, divide)
 
     @staticmethod
     def _result(handle: Handle, async_op: bool) -> Handle | None:
@@ -335,6 +436,8 @@ class DistCollectives(Collectives):
         all_gather_via_broadcast: implement all-gather as one broadcast per rank into the output's
             slices (faster than gloo's own all-gather; no staging copy).
         group: the process group (default: the world).
+        device: where this process's collective buffers live (the backend's device; NCCL and HCCL
+            move device tensors only), for the small control tensors of ``verify_same_collectives``.
     """
 
     def __init__(
@@ -343,9 +446,12 @@ class DistCollectives(Collectives):
         reduce_scatter_via_all_reduce: bool = False,
         all_gather_via_broadcast: bool = False,
         group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
         self.group = group
+        self.device = torch.device(device)
+        self._checks = 0
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.native_avg = native_avg
@@ -426,3 +532,69 @@ class DistCollectives(Collectives):
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+    def verify_same_collectives(self) -> None:
+        """Compare every rank's (count, fingerprint) since the last check with one all-reduce (max of
+        the values and of their negations); on a difference, raise ``CollectiveMismatchError`` on every
+        rank, naming the first collective where the ranks differ (entries exchanged through the job's
+        key-value store). Not counted in the byte counter: it is control traffic.
+        """
+        trace = self.trace
+        mine = [float(trace.count), float(trace.fingerprint & 0xFFFFFF)]  # exact in fp32
+        probe = torch.tensor(mine + [-v for v in mine], dtype=torch.float32, device=self.device)
+        self._all_reduce(probe, "max").wait()
+        high, low = probe[:2].tolist(), [-v for v in probe[2:].tolist()]
+        self._checks += 1
+        if high == low:
+            trace.reset()
+            return
+        raise CollectiveMismatchError(self._explain_mismatch())
+
+    def _explain_mismatch(self) -> str:
+        """Exchange the ranks' recent entries through the store and describe the first difference."""
+        from torch.distributed import distributed_c10d
+
+        mine = {"count": self.trace.count, "entries": self.trace.numbered()}
+        traces: dict[int, dict] = {self.rank: mine}
+        try:
+            store = distributed_c10d._get_default_store()
+            key = f"xshard/collective-trace/{self._checks}"
+            store.set(f"{key}/{self.rank}", json.dumps(mine))
+            for r in range(self.world_size):
+                if r != self.rank:
+                    traces[r] = json.loads(store.get(f"{key}/{self._global_ranks[r]}"))
+        except Exception as exc:  # the store is only for the message; the mismatch itself is certain
+            return (f"ranks issued different collectives since the last optimizer step (this rank issued "
+                    f"{self.trace.count}; the others' lists could not be read: {exc}). " + _MISMATCH_HINT)
+        return describe_mismatch(traces) + " " + _MISMATCH_HINT
+
+
+_MISMATCH_HINT = (
+    "Every rank must run the same sharded units in the same order: a branch chosen by the data (or by "
+    "the rank) that runs a unit on some ranks only mixes up their gradients. Keep such branches inside "
+    "one unit (e.g. make their parent module the unit with transformer_layer_cls_to_wrap), or use stage "
+    "0, which allows them; to run the model on one rank alone (e.g. generate() on rank 0), enter "
+    "model.summon_full_params() on every rank first.")
+
+
+def describe_mismatch(traces: dict[int, dict]) -> str:
+    """The first collective (by number since the last check) at which ranks' entries differ."""
+    by_number = {r: dict(map(tuple, t["entries"])) for r, t in traces.items()}
+    counts = {r: t["count"] for r, t in traces.items()}
+    for n in range(1, max(counts.values()) + 1):
+        seen = {r: by_number[r].get(n, "nothing (it issued fewer collectives)" if n > counts[r] else None)
+                for r in traces}
+        known = {r: v for r, v in seen.items() if v is not None}
+        if len(known) == len(seen) and len(set(known.values())) > 1:
+            groups: dict[str, list[int]] = {}
+            for r, v in sorted(known.items()):
+                groups.setdefault(v, []).append(r)
+            parts = [f"{_ranks(rs)} issued {v!r}" for v, rs in groups.items()]
+            return (f"ranks issued different collectives since the last optimizer step: at collective #{n}, "
+                    + "; ".join(parts) + ".")
+    totals = ", ".join(f"rank {r}: {c}" for r, c in sorted(counts.items()))
+    return f"ranks issued different collectives since the last optimizer step (counts {totals})."
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))

@@ -32,3 +32,7 @@ class VisibleDevicesError(XShardError, ValueError):
 
 class WorldEnvironmentError(XShardError, ValueError):
     """torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...) are malformed or inconsistent."""
+
+
+class CollectiveMismatchError(XShardError, RuntimeError):
+    """Ranks issued different collectives (data-dependent control flow across sharded units)."""

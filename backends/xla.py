@@ -108,8 +108,9 @@ class XLABackend(Backend):
     visible_devices_env = "TPU_VISIBLE_CHIPS"
     native_avg = False  # torch_xla's process group raises on ReduceOp.AVG: SUM then divide
     vendor_module = "torch_xla"
-    #: the sharded core replaces a freed full parameter by a 1-element tensor instead of resizing storage
+    #: XLA tensors have no storage to resize: the core replaces a freed full parameter's ``.data``
     frees_storage_by_resize: ClassVar[bool] = False
+    compiles_graphs: ClassVar[bool] = True
 
     def __init__(self, world: World | None = None) -> None:
         # Reading the world starts the PJRT runtime, which must happen before the first backward
@@ -280,7 +281,7 @@ class XLABackend(Backend):
     def launcher(self) -> str:
         return "xla"
 
-    def patch_optimizer_step(self) -> OptimizerStepPatch:
+    def optimizer_step_patch(self) -> OptimizerStepPatch:
         """Make ``xm.optimizer_step`` a plain step while a sharded model is active (undo: ``restore``)."""
         return OptimizerStepPatch()
 

@@ -10,7 +10,8 @@ previous optimizer step):
 - stage 3: every non-root unit is gathered twice (forward and backward), the root unit once (it stays
   gathered from its forward to the end of backward, as in PyTorch FSDP2), plus the reduce-scatter:
   3 psi - psi_root.
-Frozen parameters are gathered but never reduced.
+Frozen parameters are gathered but never reduced. Every reduce also carries one "had a gradient" flag
+per trainable parameter (so that a parameter no rank used keeps ``grad is None``): ``flag_bytes``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ def psi_bytes(model: torch.nn.Module, world: int, names=None, trainable_only=Fal
         row = math.prod(p.shape[1:]) if p.dim() > 1 else 1
         total += (world * -(-d0 // world) * row if padded else d0 * row) * elem
     return total
+
+
+def flag_bytes(model: torch.nn.Module, world: int, kind: str, elem: int = 4) -> int:
+    """Bytes of the used-parameter flags in one step's reduce: one element per trainable parameter,
+    counted twice by an all-reduce and once per rank's slice by a reduce-scatter."""
+    n = sum(1 for p in dict.fromkeys(model.parameters()) if p.requires_grad)
+    return n * elem * (2 if kind == "all_reduce" else world)
 
 
 def _freeze(model: torch.nn.Module) -> None:
@@ -110,18 +118,20 @@ def test_comm_and_state_bytes_match_zero_formulas() -> None:
     psi_root = psi_bytes(model, world, names=ROOT)
     for res in results:
         for frozen, m in ((False, model), (True, frozen_model)):
-            psi_train = psi_bytes(m, world, trainable_only=True)
+            flags = flag_bytes(m, world, "reduce_scatter")
+            psi_train = psi_bytes(m, world, trainable_only=True) + flags
             s0, s1, s2, s3 = (res[(stage, frozen)] for stage in range(4))
-            assert all(c == {"all_reduce": 2 * psi_bytes(m, world, trainable_only=True, padded=False)} for c in s0)
+            assert all(c == {"all_reduce": 2 * psi_bytes(m, world, trainable_only=True, padded=False)
+                             + flag_bytes(m, world, "all_reduce")} for c in s0)
             for s in (s1, s2):
                 assert s[0] == s[1] == {"all_gather": psi, "reduce_scatter": psi_train}
                 assert s[2] == {"reduce_scatter": psi_train}  # its micro-step under no_sync did the gather
             assert all(c == {"all_gather": 2 * psi - psi_root, "reduce_scatter": psi_train} for c in s3)
             if not frozen:
-                assert s2[1]["all_gather"] + s2[1]["reduce_scatter"] == 2 * psi
-                assert s3[1]["all_gather"] + s3[1]["reduce_scatter"] == 3 * psi - psi_root
+                assert s2[1]["all_gather"] + s2[1]["reduce_scatter"] == 2 * psi + flags
+                assert s3[1]["all_gather"] + s3[1]["reduce_scatter"] == 3 * psi - psi_root + flags
             else:
-                assert psi_train < psi  # frozen parameters are excluded from the reduce-scatter
+                assert psi_train - flags < psi  # frozen parameters are excluded from the reduce-scatter
             # no_sync: nothing is reduced; stage 3 still gathers (parameters are sharded), stages 1-2
             # gather the previous step's update once, stage 0 sends nothing
             assert res[(3, frozen, "no_sync")] == {"all_gather": 2 * psi - psi_root}

@@ -44,9 +44,9 @@ def _run(rank: int, world: int) -> dict:
                 root = sm.units[0]
                 out[(3, "root_in_place")] = all(
                     sp.gather_target.untyped_storage().data_ptr() == sp.full.untyped_storage().data_ptr()
-                    and sp.full.untyped_storage().nbytes() == sp.gather_numel * sp.full.element_size()
+                    and sp.full.untyped_storage().nbytes() == sp.layout.gather_numel * sp.full.element_size()
                     for sp in root.params)
-                out[(3, "padded")] = any(sp.gather_numel > sp.layout.numel for sp in root.params)
+                out[(3, "padded")] = any(sp.layout.gather_numel > sp.layout.numel for sp in root.params)
                 names = {id(p): n for n, p in sm.module.named_parameters()}
                 out[(3, "root_values")] = all(torch.equal(sp.full.detach(), reference[names[id(sp.user)]])
                                               for sp in root.params)

@@ -135,12 +135,13 @@ def test_mixed_precision_matches(world2) -> None:
 def test_bytes_per_step_2_ranks(world2) -> None:
     """The parity job's own byte counts follow the formulas of test_sharding_accounting.py."""
     from models import make_tiny
-    from test_sharding_accounting import ROOT, psi_bytes
+    from test_sharding_accounting import ROOT, flag_bytes, psi_bytes
 
     model = make_tiny()
     psi, psi_root = psi_bytes(model, 2), psi_bytes(model, 2, names=ROOT)
+    rs = psi + flag_bytes(model, 2, "reduce_scatter")
     s0, s1, s2, s3 = ([c["bytes"] for c in world2["stages"][i][0]["comm"]] for i in range(4))
-    assert s0 == [{"all_reduce": 2 * psi_bytes(model, 2, padded=False)}] * 3
+    assert s0 == [{"all_reduce": 2 * psi_bytes(model, 2, padded=False) + flag_bytes(model, 2, "all_reduce")}] * 3
     for s in (s1, s2):
-        assert s == [{"all_gather": psi, "reduce_scatter": psi}] * 3  # 2 psi
-    assert s3 == [{"all_gather": 2 * psi - psi_root, "reduce_scatter": psi}] * 3  # 3 psi - psi_root
+        assert s == [{"all_gather": psi, "reduce_scatter": rs}] * 3  # 2 psi (+ flags)
+    assert s3 == [{"all_gather": 2 * psi - psi_root, "reduce_scatter": rs}] * 3  # 3 psi - psi_root (+ flags)

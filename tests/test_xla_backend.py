@@ -180,7 +180,7 @@ def test_optimizer_step_patch_steps_once_and_restores(backend: XLABackend) -> No
     w = torch.nn.Parameter(torch.zeros(2, device=d))
     opt = torch.optim.SGD([w], lr=1.0)
     (w * torch.tensor([1.0, 2.0], device=d)).sum().backward()
-    with backend.patch_optimizer_step() as patch:
+    with backend.optimizer_step_patch() as patch:
         assert xm.optimizer_step is not original and patch.original is original
         xm.optimizer_step(opt, barrier=True, optimizer_args={})
     assert xm.optimizer_step is original
@@ -227,7 +227,7 @@ def test_seed_and_rng_state_round_trip(backend: XLABackend) -> None:
 def test_optimizer_step_patch_is_counted_across_holders(backend: XLABackend) -> None:
     """Replicas that are threads of one process each hold the patch; the last release restores."""
     original = xm.optimizer_step
-    first, second = backend.patch_optimizer_step(), backend.patch_optimizer_step()
+    first, second = backend.optimizer_step_patch(), backend.optimizer_step_patch()
     assert first.replacement is second.replacement is xm.optimizer_step
     first.restore()
     assert xm.optimizer_step is second.replacement

@@ -118,7 +118,7 @@ def _patched_optimizer_step(rank: int, world_size: int) -> dict:
     (w * (rank + 1)).sum().backward()
     original = xm.optimizer_step
     backend.collectives.barrier()  # every replica has seen the original before any patches it
-    with backend.patch_optimizer_step():
+    with backend.optimizer_step_patch():
         xm.optimizer_step(opt, barrier=True)
     backend.collectives.barrier()  # every replica has restored its patch
     calls_patched = _all_reduce_calls.get(rank, 0)

@@ -50,6 +50,7 @@ from .data import ShardedDataLoader, shard_data_loader
 from .job import JobState
 from .log import get_logger, progress, setup_logging
 from .prepared import PreparedOptimizer, PreparedScheduler
+from .rebind import StaleParameterGuard, rebind_optimizer
 
 log = get_logger("xshard.accelerator")
 
@@ -132,6 +133,7 @@ class Accelerator:
             scaler=self._make_scaler() if mixed == "fp16" else None,
         )
         self._ended = False
+        self._stale_guard = StaleParameterGuard()
 
     # ------------------------------------------------------------------ facts
     @property
@@ -203,14 +205,14 @@ class Accelerator:
     def sharding_options(self) -> Any:
         """The core's ShardingOptions from this config, adjusted to this job.
 
-        - Stage 0 keeps the parameters' dtype (the replicated core has no compute copy to cast);
-          mixed precision there comes from ``autocast()`` alone.
+        - Mixed precision: the model computes under autocast in the compute dtype (stages 1-3 also
+          with compute copies in it) and returns floating outputs in fp32, as Accelerate does.
         - Unseeded multi-process jobs broadcast rank 0's initial weights (``sync_module_states``),
           as DDP does, since each rank built its model from different random numbers.
         """
         opts = self.config.to_sharding_options()
-        if opts.stage == 0:
-            opts.param_dtype = None
+        if opts.param_dtype is not None:
+            opts.output_dtype = torch.float32
         if not self.seeded and self.world_size > 1:
             opts.sync_module_states = True
         return opts
@@ -250,14 +252,24 @@ class Accelerator:
             return model
         sharded = model if isinstance(model, ShardedModel) else shard_model(model, self.backend, self.sharding_options())
         self.job.models.append(sharded)
+        replaced = sharded.rebound_parameters
+        if replaced:
+            self._stale_guard.watch(list(replaced.old.values()))
         for opt in self.job.optimizers:  # an optimizer prepared before its model
+            rebind_optimizer(opt.optimizer, replaced.new)
             if opt.model is None and _owns(sharded, opt.optimizer):
                 opt.model = sharded
                 sharded.register_optimizer(opt.optimizer)
         return sharded
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
-        """Wrap ``optimizer``: steps through the backend and the grad scaler, only on sync steps."""
+        """Wrap ``optimizer``: steps through the backend and the grad scaler, only on sync steps.
+
+        An optimizer built before ``prepare`` whose Parameters had to be replaced on the device (XLA)
+        is rebound to the replacements (see ``xshard.rebind``).
+        """
+        for m in self.job.models:
+            rebind_optimizer(optimizer, m.rebound_parameters.new)
         model = next((m for m in self.job.models if _owns(m, optimizer)), None)
         if model is not None:
             model.register_optimizer(optimizer)
@@ -424,6 +436,7 @@ class Accelerator:
             self._ended = True
 
     def _close_models(self) -> None:
+        self._stale_guard.remove()
         for model in self.job.models:
             close = getattr(model, "close", None)
             if close is not None:

@@ -49,6 +49,7 @@ from typing import Any
 
 from xshard.backends.errors import XShardError
 from xshard.sharding.options import ShardingOptions, normalise_stage
+from xshard.sharding.plan import GradReduction, ReduceTiming, ShardingPlan
 
 GB = 10**9
 MB = 10**6
@@ -254,10 +255,21 @@ def load_model_size(path: str | Path) -> ModelSize:
                      source="safetensors headers", **_shape(config, str(config_file)))
 
 
+def _plan(stage: int) -> ShardingPlan:
+    return ShardingPlan.from_options(ShardingOptions(stage=stage))
+
+
+def _grads_sharded(plan: ShardingPlan) -> bool:
+    """Gradients live as shards: reduce-scattered as soon as each unit's are ready (stages 2-3)."""
+    return plan.grad_reduction is GradReduction.REDUCE_SCATTER and plan.reduce_timing is ReduceTiming.AS_READY
+
+
 def model_state_bytes(psi: float, nproc: int, stage: int, precision: Precision) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer states) bytes per device: the ZeRO paper's formulas."""
     p, g, k = psi * precision.param_bytes, psi * precision.grad_bytes, psi * precision.optimizer_bytes
-    return (p / nproc if stage >= 3 else p, g / nproc if stage >= 2 else g, k / nproc if stage >= 1 else k)
+    plan = _plan(stage)
+    return (p / nproc if plan.reshard_after_forward else p, g / nproc if _grads_sharded(plan) else g,
+            k / nproc if plan.shard_parameters else k)
 
 
 def activation_bytes(size: ModelSize, micro_batch: int, seq_len: int, precision: Precision,
@@ -286,23 +298,25 @@ def estimate_memory(size: ModelSize, nproc: int, stage: int, dtype: str = "bf16"
     for name, value in (("nproc", nproc), ("micro-batch", micro_batch), ("seq-len", seq_len)):
         if value < 1:
             raise EstimateError(f"--{name} must be at least 1, got {value}")
-    if stage not in (0, 1, 2, 3):
-        raise EstimateError(f"stage {stage!r} is not valid; use 0, 1, 2 or 3")
-    if offload and stage == 0:
+    try:
+        plan = _plan(stage)
+    except ValueError:
+        raise EstimateError(f"stage {stage!r} is not valid; use 0, 1, 2 or 3") from None
+    if offload and not plan.shard_parameters:
         raise EstimateError("--offload needs stage 1, 2 or 3 (at stage 0 every device keeps a full replica)")
     precision = PRECISIONS[dtype]
     params, grads, optimizer = model_state_bytes(size.total_params, nproc, stage, precision)
     host = 0.0
     if offload:  # optimizer states (with the fp32 master), gradient shards, parameter shards go to the host
         host, optimizer = host + optimizer, 0.0
-        if stage >= 2:
+        if _grads_sharded(plan):
             host, grads = host + grads, 0.0
-        if stage == 3:
+        if plan.reshard_after_forward:
             host, params = host + params, 0.0
     gathered = 0.0
-    if stage >= 2:  # unsharded gradients of the root unit and of the layer being reduced
+    if _grads_sharded(plan):  # unsharded gradients of the root unit and of the layer being reduced
         gathered += precision.grad_bytes * (size.root_params + size.largest_layer_params)
-    if stage == 3:  # gathered parameters: the root unit and the in-flight layers
+    if plan.reshard_after_forward:  # gathered parameters: the root unit and the in-flight layers
         gathered += precision.param_bytes * (size.root_params + MAX_INFLIGHT_ALL_GATHERS * size.largest_layer_params)
     activations = activation_bytes(size, micro_batch, seq_len, precision, grad_ckpt, attention)
     total = params + grads + optimizer + gathered + activations

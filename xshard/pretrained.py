@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .log import get_logger
-from .sharding import ShardedModel, ShardingOptions, shard_model
+from .sharding import ShardedModel, ShardingOptions, ShardingPlan, shard_model
 from .sharding.materialize import fill_parameters, fill_shards, meta_parameters
 
 log = get_logger("xshard.pretrained")
@@ -280,7 +280,7 @@ def from_pretrained_sharded(
         reader = BroadcastRows(files, collectives, backend.device())
     try:
         _load_buffers(model, reader, files)
-        if int(options.stage) == 0:
+        if not ShardingPlan.from_options(options).shard_parameters:  # replicated: whole tensors
             fill_parameters(model, reader)
             sharded = shard_model(model, backend, options)
         else:

@@ -1,21 +1,24 @@
 """The sharded data-parallel core: ZeRO stages 0-3 (FSDP NO_SHARD / SHARD_GRAD_OP / FULL_SHARD).
 
 ``shard_model(module, backend, ShardingOptions(...))`` returns a ``ShardedModel``. It uses only the
-backend's collectives, its compute device and a few backend attributes, so it runs unchanged on
-every backend. Files, one job each:
+backend's declared members (its collectives, compute device and capabilities), so it runs unchanged
+on every backend. Files, one job each:
 
-- ``options``: ShardingOptions and stage names
+- ``options``: ShardingOptions, the user's knobs and stage names
+- ``plan``: the stage translated once into independent policies (ShardingPlan); nothing else reads it
 - ``wrap``: auto-wrap policies, units, tied weights
-- ``layout``: per-parameter dim-0 shard geometry and flat buffers
-- ``unit``: a unit's shards, full copies, all-gather and reduce-scatter
-- ``engine``: hooks, prefetch and the end-of-backward callback (stages 1-3)
-- ``replicate``: stage 0, bucketed all-reduce
-- ``precision``, ``grad_clip``, ``scaler``, ``state_dict``, ``stats``
+- ``layout``: ShardLayout, the one dim-0 shard geometry; flat buffer layouts
+- ``params``: a parameter's two faces (the user's shard-holding Parameter, the full compute copy)
+- ``unit``: a unit's state, all-gather and gradient reduce
+- ``engine``: the engine interface; ``shard_engine`` (stages 1-3) and ``replicate`` (stage 0)
+- ``precision``, ``buffers``, ``grad_clip``, ``scaler``, ``state_dict``, ``stats``, ``materialize``
 - ``model``: ShardedModel and shard_model
 """
 
-from .model import ShardedModel, shard_model
+from .model import ShardedModel, ShardedParamView, shard_model
 from .options import ShardingOptions, normalise_stage
+from .plan import GradReduction, Precision, ReduceTiming, ShardingPlan
 from .scaler import ShardedGradScaler
 
-__all__ = ["ShardedGradScaler", "ShardedModel", "ShardingOptions", "normalise_stage", "shard_model"]
+__all__ = ["GradReduction", "Precision", "ReduceTiming", "ShardedGradScaler", "ShardedModel", "ShardedParamView",
+           "ShardingOptions", "ShardingPlan", "normalise_stage", "shard_model"]

@@ -77,18 +77,16 @@ def _read(read_rows: RowReader, names: list[str], rows: ShardLayout, dtype: torc
 def fill_shards(model: nn.Module, read_rows: RowReader) -> int:
     """Fill every shard of a ``ShardedModel`` (stages 1-3) with this rank's rows from ``read_rows``.
 
-    Every rank must call it (a reader may run collectives), units in order. Returns the number of
-    elements read. The units are marked stale, so the next forward gathers the new values.
+    Every rank must call it (a reader may run collectives), parameters in unit order. Returns the
+    number of elements read. The model then gathers the new values before its next use.
     """
-    names = parameter_names(model.module)
     read = 0
     with torch.no_grad():
-        for unit in model.units:
-            for sp in unit.params:
-                value = _read(read_rows, names[id(sp.user)], sp.layout, sp.dtype)
-                sp.user.copy_(value.reshape(sp.layout.local_shape))
-                read += value.numel()
-            unit.stale = True
+        for view in model.sharded_params():
+            value = _read(read_rows, list(view.names), view.layout, view.param.dtype)
+            view.param.copy_(value.reshape(view.layout.local_shape))
+            read += value.numel()
+    model.shards_changed()
     return read
 
 

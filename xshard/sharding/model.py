@@ -6,23 +6,38 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..backends.collectives import SingleProcessCollectives
 from . import state_dict as _state_dict
 from . import stats as _stats
-from .engine import ShardEngine
+from .buffers import BufferSync
+from .engine import Engine
 from .grad_clip import clip_grad_norm_
+from .layout import ShardLayout
 from .options import ShardingOptions
-from .precision import cast_buffers, install_fp32_norms
-from .replicate import Replicator
-from .unit import Runtime, Unit, rehome
+from .params import Rebound
+from .plan import ShardingPlan
+from .precision import ForwardPrecision, cast_buffers, install_fp32_norms
+from .replicate import ReplicatedEngine
+from .shard_engine import ShardedEngine
+from .unit import Runtime, Unit
 from .wrap import split_into_units
 
 log = logging.getLogger("xshard.sharding")
+
+
+@dataclass(frozen=True)
+class ShardedParamView:
+    """What the core's siblings (state dicts, checkpoints, materialization) may know of a parameter:
+    the user's Parameter (it holds this rank's rows), its names, and its shard layout."""
+
+    names: tuple[str, ...]
+    param: nn.Parameter
+    layout: ShardLayout
 
 
 def _sync_module_states(module: nn.Module, collectives, device: torch.device) -> None:
@@ -31,8 +46,8 @@ def _sync_module_states(module: nn.Module, collectives, device: torch.device) ->
     with torch.no_grad():
         for t in list(dict.fromkeys(module.parameters())) + list(module.buffers()):
             staged = t.detach().to(device)
-            collectives.broadcast(staged, src=0)
-            if staged.data_ptr() != t.data_ptr():
+            collectives.broadcast(staged, src=0, tag="broadcast of rank 0's initial weights")
+            if staged is not t:
                 t.copy_(staged)
 
 
@@ -42,9 +57,9 @@ class ShardedModel(nn.Module):
     Use it like the module it wraps (attribute access falls through to ``.module``). The user's
     ``nn.Parameter`` objects stay valid: at stages 1-3 each holds this rank's dim-0 shard (and its
     ``.grad`` the reduced gradient shard after backward), so an optimizer built before or after
-    ``shard_model`` works, param groups included. Build optimizers from ``model.parameters()``.
-    Freeze parameters (``requires_grad=False``) before ``shard_model``: the units decide then
-    which parameters get gradient buffers and reduce traffic.
+    ``shard_model`` works, param groups included. ``requires_grad`` may change between steps
+    (freezing, unfreezing): it takes effect at the next forward. ``state_dict()`` returns whole
+    tensors with the user's names (a collective: every rank calls it).
     """
 
     def __init__(self, module: nn.Module, backend, options: ShardingOptions) -> None:
@@ -52,66 +67,78 @@ class ShardedModel(nn.Module):
         self.module = module
         self.backend = backend
         self.options = options
+        self.plan = ShardingPlan.from_options(options)
         self.collectives = backend.collectives
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._stage = int(options.stage)
+        plan = self.plan
         device = backend.device()
-        offload = options.offload
-        if self._stage == 0 and offload:
-            raise ValueError("offload_params/offload_optimizer need stage 1, 2 or 3 (stage 0 replicates "
-                             "everything on the device): set stage >= 1 or turn offload off")
-        # Meta-parameter hook: at stages 1-3 meta parameters get empty shards that
-        # xshard.sharding.materialize fills; stage 0 and sync_module_states need real values.
-        if (self._stage == 0 or options.sync_module_states) and any(p.is_meta for p in module.parameters()):
+        # Meta-parameter hook: sharded plans give meta parameters empty shards that
+        # xshard.sharding.materialize fills; replication and sync_module_states need real values.
+        if (not plan.shard_parameters or options.sync_module_states) and any(p.is_meta for p in module.parameters()):
             raise ValueError("the model has parameters on the meta device: stage 0 and sync_module_states need "
                              "real values. Load the weights first, or use stage 1-3 and fill the shards with "
                              "xshard.sharding.materialize (xshard.pretrained.from_pretrained_sharded does both)")
-        # stage 0 with compute copies in another dtype runs through units that shard nothing
-        replicated_units = self._stage == 0 and options.param_dtype not in (
-            None, *{p.dtype for p in module.parameters()})
         if options.sync_module_states and self.collectives.world_size > 1:
             _sync_module_states(module, self.collectives, device)
-        cast_buffers(module, device, options.buffer_dtype)
+        cast_buffers(module, device, plan.precision.buffer_dtype)
         self._rt = Runtime(
-            collectives=SingleProcessCollectives() if replicated_units else self.collectives,
-            rank=0 if replicated_units else self.collectives.rank,
-            world_size=1 if replicated_units else self.collectives.world_size,
-            device=device, shard_device=torch.device("cpu") if offload else device, stage=self._stage,
-            param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype,
-            keep_norms_fp32=options.keep_norms_fp32,
-            frees_storage_by_resize=getattr(backend, "frees_storage_by_resize", True),
-            replicate_over=self.collectives if replicated_units else None,
+            collectives=self.collectives, rank=self.collectives.rank, world_size=self.collectives.world_size,
+            device=device, shard_device=torch.device("cpu") if plan.offload else device, plan=plan,
+            frees_storage_by_resize=backend.frees_storage_by_resize,
         )
         specs = split_into_units(module, options)
         if options.activation_checkpointing:
-            unit_modules = [s.module for s in specs[1:]]
-            leaves = [m for m in unit_modules
-                      if not any(o is not m and any(o is x for x in m.modules()) for o in unit_modules)]
-            if not leaves:  # as the HF Trainer refuses xla_fsdp_grad_ckpt without auto wrap
-                raise ValueError(
-                    f"activation_checkpointing (xla_fsdp_grad_ckpt) checkpoints each auto-wrapped unit, but "
-                    f"auto_wrap_policy={options.auto_wrap_policy!r} made no unit besides the root: use "
-                    "auto_wrap_policy='transformer' with transformer_layer_cls_to_wrap naming the model's "
-                    "layer class (default: model._no_split_modules), or 'size' with min_num_params")
-            for m in leaves:
-                backend.checkpoint_wrapper(m)
-        if options.keep_norms_fp32 and options.param_dtype not in (None, torch.float32):
-            install_fp32_norms(module, options.param_dtype)
+            self._checkpoint_units([s.module for s in specs[1:]])
+        precision = plan.precision
+        if precision.keep_norms_fp32 and precision.param_dtype not in (None, torch.float32):
+            install_fp32_norms(module, precision.param_dtype)
         self.units: list[Unit] = []
-        if self._stage == 0 and not replicated_units:
-            for spec in (ps for unit in specs for ps in unit.params):
-                rehome(spec, spec.param.detach().to(device))
-            self._engine: Any = Replicator(module, self.collectives, options.bucket_size_mb, options.reduce_dtype)
-            self._num_units = len(specs)
+        self._engine: Engine
+        if plan.shard_parameters:
+            self.units = [Unit(s, self._rt, i) for i, s in enumerate(specs)]
+            self._engine = ShardedEngine(self.units, plan, options)
         else:
-            self.units = [Unit(s, self._rt, is_root=(i == 0)) for i, s in enumerate(specs)]
-            self._engine = ShardEngine(self.units, options)
-            self._num_units = len(self.units)
+            from .params import rehome
+
+            for spec in (ps for unit in specs for ps in unit.params):
+                rehome(spec, spec.param.detach().to(device), self._rt.rebound)
+            self._engine = ReplicatedEngine(module, self.collectives, options.bucket_size_mb,
+                                            precision.reduce_dtype or precision.param_dtype)
+        self._num_units = len(specs)
+        self._layouts = self._collect_layouts()
+        autocast_dtype = precision.autocast_dtype
+        self._precision = ForwardPrecision(
+            module, lambda: backend.autocast(autocast_dtype, enabled=autocast_dtype is not None),
+            precision.output_dtype) if autocast_dtype is not None or precision.output_dtype is not None else None
+        self._buffers_sync = BufferSync(module, self.collectives, lambda: self._engine.sync)
+        self._state_dict_hooks = _state_dict.StateDictHooks(self)
         # Sharded gradients must not be reduced again by a script's own step call (xm.optimizer_step
-        # on XLA): backends that have such a call patch it while this model lives (see close()).
-        patch = getattr(backend, "patch_optimizer_step", None) if self._stage >= 1 else None
-        self._step_patch = patch() if patch is not None else None
+        # on XLA): the backend patches such a call while this model lives (see close()).
+        self._step_patch = backend.optimizer_step_patch() if plan.shard_parameters else None
         self._finalizer = weakref.finalize(self, self._step_patch.restore) if self._step_patch else None
+        self._closed = False
+
+    def _checkpoint_units(self, unit_modules: list[nn.Module]) -> None:
+        leaves = [m for m in unit_modules
+                  if not any(o is not m and any(o is x for x in m.modules()) for o in unit_modules)]
+        if not leaves:  # as the HF Trainer refuses xla_fsdp_grad_ckpt without auto wrap
+            raise ValueError(
+                f"activation_checkpointing (xla_fsdp_grad_ckpt) checkpoints each auto-wrapped unit, but "
+                f"auto_wrap_policy={self.options.auto_wrap_policy!r} made no unit besides the root: use "
+                "auto_wrap_policy='transformer' with transformer_layer_cls_to_wrap naming the model's "
+                "layer class (default: model._no_split_modules), or 'size' with min_num_params")
+        for m in leaves:
+            self.backend.checkpoint_wrapper(m)
+
+    def _collect_layouts(self) -> list[ShardedParamView]:
+        names: dict[int, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        if self.units:
+            return [ShardedParamView(tuple(names[id(sp.user)]), sp.user, sp.layout)
+                    for unit in self.units for sp in unit.params]
+        return [ShardedParamView(tuple(names[id(p)]), p, ShardLayout.of(p.shape, 1, 0))
+                for p in dict.fromkeys(self.module.parameters())]
 
     # ------------------------------------------------------------------ module protocol
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -125,58 +152,86 @@ class ShardedModel(nn.Module):
 
     @property
     def stage(self) -> int:
-        """The ZeRO stage (0-3) this model runs."""
-        return self._stage
+        """The ZeRO stage (0-3) this model's plan was made from."""
+        return self.plan.stage
+
+    # ------------------------------------------------------------------ read surface for the core's siblings
+    def sharded_params(self) -> list[ShardedParamView]:
+        """Every parameter once (tied ones once, with all their names), in unit order, with its layout.
+
+        At stage 0 the layout is a world of one (each rank holds every row).
+        """
+        return self._layouts
+
+    @property
+    def rebound_parameters(self) -> Rebound:
+        """Parameters replaced by new ones because they could not take their device data in place (a
+        CPU Parameter and an XLA device): optimizers holding the old ones must be rebound
+        (``Accelerator.prepare`` does)."""
+        return self._rt.rebound
+
+    def shards_changed(self) -> None:
+        """The shards were written behind the version counters: gather afresh before the next use."""
+        self._engine.shards_changed()
+
+    def raw_state_dict(self) -> contextlib.AbstractContextManager[None]:
+        """A block in which the user's module's ``state_dict()`` returns the live shards, no collective."""
+        return self._state_dict_hooks.raw()
 
     # ------------------------------------------------------------------ training
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (no communication) until the first backward after the block."""
-        old = self._engine.sync
-        self._engine.sync = False
-        try:
-            yield
-        finally:
-            self._engine.sync = old
+        return self._engine.no_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients, including full gradients still held from ``no_sync`` micro-steps."""
         super().zero_grad(set_to_none=set_to_none)
-        for unit in self.units:
-            for sp in unit.params:
-                sp.full.grad = None
+        self._engine.zero_grad()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by their global norm over all ranks' shards; every rank returns the same norm."""
         return clip_grad_norm_(
             self.module.parameters(), max_norm, norm_type, self.collectives, self._rt.device,
-            sharded=self._stage >= 1 and self.collectives.world_size > 1,
+            sharded=self.plan.shard_parameters and self.collectives.world_size > 1,
         )
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Count this optimizer's state in ``stats()``, and refresh the compute copies after its steps.
+        """Count this optimizer's state in ``stats()``, and watch its steps.
 
-        Stages 1-2 notice updated shards through their version counters; a step hook also marks
-        the units stale, so every rank decides to all-gather at the same point even with an
-        optimizer that leaves an empty shard untouched (a rank gathering alone would hang).
+        Before each step, the ranks check that they issued the same collectives since the last check
+        (data-dependent control flow that made ranks run different units is an error naming the
+        units and ranks, not silently mixed-up gradients). After each step, units are marked stale,
+        so every rank decides to all-gather at the same point even with an optimizer that leaves an
+        empty shard untouched (a rank gathering alone would hang).
         """
         if any(o is optimizer for o in self._optimizers):
             return
         self._optimizers.append(optimizer)
-        if self.units:
-            optimizer.register_step_post_hook(lambda *_: self._mark_stale())
+        optimizer.register_step_pre_hook(lambda *_: self.collectives.verify_same_collectives())
+        optimizer.register_step_post_hook(lambda *_: self._engine.shards_changed())
 
-    def _mark_stale(self) -> None:
-        for unit in self.units:
-            unit.stale = True
+    @contextlib.contextmanager
+    def summon_full_params(self) -> Iterator[None]:
+        """Inside the block every parameter is whole on this rank, and forward runs without collectives.
+
+        Every rank must enter it (gathering is a collective); inside, one rank alone may run the model,
+        e.g. ``generate()`` on rank 0 at stage 3, which would otherwise wait for the other ranks'
+        all-gathers. Costs the whole model's memory on every rank while it lasts. Changes made to the
+        parameters inside are not written back.
+        """
+        with torch.no_grad(), self._engine.full_params_context():
+            yield
 
     def close(self) -> None:
-        """Detach the core from the module: remove its hooks and undo backend patches (idempotent).
-
-        Undoes the backend's step patch (``xm.optimizer_step`` on XLA) that stages 1-3 hold while
-        the model lives; ``Accelerator.end()`` calls this, and so does garbage collection.
-        """
+        """Detach the core from the module: remove its hooks and undo backend patches (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         self._engine.remove_hooks()
+        self._buffers_sync.remove()
+        self._state_dict_hooks.remove()
+        if self._precision is not None:
+            self._precision.remove()
         if self._finalizer is not None:
             self._finalizer()
 
@@ -197,25 +252,36 @@ class ShardedModel(nn.Module):
             "comm": self.collectives.counter.snapshot(),
             "state_bytes": _stats.state_bytes(self),
             "units": self._num_units,
-            "gathers": {"prefetched": getattr(self._engine, "prefetched", 0),
-                        "peak_in_flight": getattr(self._engine, "peak_in_flight", 0)},
-            "stage": self._stage,
+            "gathers": {"prefetched": self._engine.prefetched, "peak_in_flight": self._engine.peak_in_flight},
+            "stage": self.plan.stage,
             "world_size": self.collectives.world_size,
         }
 
     def reset_stats(self) -> None:
         """Zero the communication counters (and the prefetch counters)."""
         self.collectives.counter.reset()
-        if isinstance(self._engine, ShardEngine):
-            self._engine.prefetched = self._engine.peak_in_flight = 0
+        self._engine.reset_counters()
 
     # ------------------------------------------------------------------ state dicts
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The user's module's state dict: the user's names and whole tensors on the CPU (a collective)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        """Load a full state dict (each rank keeps its rows) or this rank's pieces, by the user's names."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """The unsharded state dict on the CPU, keys as ``module.state_dict()``; every rank must call it.
+        """The unsharded state dict on the CPU, keys as the user's ``state_dict()``; every rank must call it.
 
         Units are gathered one at a time. With ``rank0_only`` other ranks return ``{}``.
         """
         return _state_dict.full_state_dict(self, rank0_only)
+
+    def sharded_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's rows of every entry (no communication), keys as ``state_dict()``; the
+        replicated entries (buffers, stage 0) whole. ``load_state_dict`` takes it back."""
+        return {k: piece.tensor.detach() for k, piece in _state_dict.local_pieces(self).items()}
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a full (unsharded) state dict; every rank passes the same dict and keeps its shard."""

@@ -55,11 +55,20 @@ class ShardingOptions:
     param_dtype / reduce_dtype / buffer_dtype: compute (and all-gather) dtype, gradient
         reduce dtype (default: param_dtype), buffer dtype; None keeps the model's dtype. The
         user's parameters keep their dtype (fp32 master shards that the optimizer steps).
+    autocast: the forward runs under the backend's autocast in ``param_dtype`` (default on), so
+        numerically sensitive ops (softmax, norms, losses) stay in fp32 as with torch.autocast;
+        at stage 0, which has no compute copies, it is what applies ``param_dtype``.
+    output_dtype: floating outputs of the model's forward are cast to this dtype (e.g. fp32, as
+        Accelerate returns them); None leaves them as computed.
     keep_norms_fp32: norm layers compute in fp32 (their parameters are gathered in fp32).
     offload_params / offload_optimizer: keep parameter shards, gradient shards and optimizer
         state in host memory (the optimizer steps on the CPU).
     activation_checkpointing: recompute each unit's activations in backward.
     sync_module_states: broadcast rank 0's parameters and buffers before sharding.
+    state_dict_rank0_only: ``model.state_dict()`` gives whole tensors on rank 0 only (others get an
+        empty dict, as PyTorch FSDP's ``rank0_only``), instead of on every rank: one host copy of the
+        model per job rather than per rank, for models too large for that; save with
+        ``is_main_process=...`` then.
     bucket_size_mb: all-reduce bucket size at stage 0.
     """
 
@@ -73,11 +82,14 @@ class ShardingOptions:
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
+    autocast: bool = True
+    output_dtype: torch.dtype | None = None
     keep_norms_fp32: bool = False
     offload_params: bool = False
     offload_optimizer: bool = False
     activation_checkpointing: bool = False
     sync_module_states: bool = False
+    state_dict_rank0_only: bool = False
     bucket_size_mb: float = 25
 
     def __post_init__(self) -> None:
@@ -107,7 +119,7 @@ class ShardingOptions:
             raise ValueError(f"min_num_params={self.min_num_params} must be a positive number of parameters")
         if float(self.bucket_size_mb) <= 0:
             raise ValueError(f"bucket_size_mb={self.bucket_size_mb} must be positive")
-        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
             _check_dtype(name, getattr(self, name))
         return self
 

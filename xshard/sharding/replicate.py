@@ -1,21 +1,31 @@
-"""Stage 0 (NO_SHARD, DDP-like): every rank holds everything; gradients are averaged by bucketed all-reduce.
+"""ReplicatedEngine (stage 0, like DDP): every rank holds everything; gradients are averaged by bucketed all-reduce.
 
 Trainable parameters are grouped into buckets of about ``bucket_size_mb`` in reverse registration
-order (roughly the order backward produces their gradients). A post-accumulate-grad hook counts
-the gradients that arrived; a full bucket is copied into its buffer and all-reduced
-asynchronously while backward goes on. A callback queued on the autograd engine issues the
-buckets that never filled (parameters unused in this step), waits for all of them and leaves the
-averages in ``param.grad``. Frozen parameters are in no bucket.
+order (roughly the order backward produces their gradients). A post-accumulate-grad hook counts the
+gradients that arrived; buckets are all-reduced asynchronously in bucket order as soon as they are
+full and every earlier bucket is out, so every rank issues the same all-reduces in the same order
+even when ranks use different parameters (data-dependent branches): a rank that lacks a gradient
+only launches later, in the callback queued on the autograd engine that issues what never filled,
+waits for everything and leaves the averages in ``param.grad``.
 
-Each bucket's buffer is allocated once and reused every step, and after the reduce each
-``param.grad`` is a view into it (as DDP's ``gradient_as_bucket_view``): no fresh bucket-sized
-allocation per step, and with ``zero_grad(set_to_none=False)`` backward accumulates straight into
-the bucket, so even the copy in is skipped. The price, as in DDP: a gradient tensor kept from one
-step is overwritten by the next step's reduce (clone it to keep it).
+Unused parameters: each bucket carries one flag per parameter ("this rank had a gradient") in the
+same all-reduce, so a parameter that no rank used keeps ``grad is None`` (as DDP with
+``find_unused_parameters``), and one used on some ranks gets the average. The flags are read on the
+host only when this rank lacked a gradient in that bucket.
+
+``requires_grad`` is read at every forward: freezing or unfreezing a parameter rebuilds the buckets
+(frozen parameters are in no bucket: no gradient, no traffic).
+
+Each bucket's buffer is allocated once and reused every step, and after the reduce each ``param.grad``
+is a view into it (as DDP's ``gradient_as_bucket_view``): no fresh bucket-sized allocation per step,
+and with ``zero_grad(set_to_none=False)`` backward accumulates straight into the bucket, so even the
+copy in is skipped. The price, as in DDP: a gradient tensor kept from one step is overwritten by the
+next step's reduce (clone it to keep it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 
@@ -23,79 +33,120 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from .unit import _divide_factors
+from .engine import Engine
 
 
-@dataclass
+@dataclass(eq=False)
 class _Bucket:
+    index: int
     params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int  # gradient elements; the flags follow them in ``flat``
+    offset_of: dict[int, int] = field(default_factory=dict)  # id(param) -> offset in ``flat``
     ready: int = 0
     handle: object = None
     flat: torch.Tensor | None = None  # the bucket's buffer, allocated on first use and kept
-    post_divide: float = 1.0
+    all_used_here: bool = True
     arrived: set[int] = field(default_factory=set)
     #: id(param) -> the view of ``flat`` handed out as its ``.grad`` (identity, not data pointers:
     #: XLA tensors have none)
     views: dict[int, torch.Tensor] = field(default_factory=dict)
 
+    @property
+    def full(self) -> bool:
+        return len(self.arrived) == len(self.params)
 
-class Replicator:
+
+class ReplicatedEngine(Engine):
     """Bucketed, overlapped gradient all-reduce for a replicated module."""
 
     def __init__(self, module: nn.Module, collectives, bucket_size_mb: float,
                  reduce_dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.module = module
         self.collectives = collectives
         self.reduce_dtype = reduce_dtype
-        self.sync = True
+        self.limit = int(bucket_size_mb * 2**20)
         self._callback_queued = False
-        params = [p for p in dict.fromkeys(module.parameters()) if p.requires_grad]
-        limit = int(bucket_size_mb * 2**20)
+        self._params = list(dict.fromkeys(module.parameters()))
+        self._signature: tuple[bool, ...] = ()
         self.buckets: list[_Bucket] = []
-        current: list[nn.Parameter] = []
-        size = 0
+        self._bucket_of: dict[int, _Bucket] = {}
+        self._next_launch = 0
+        self._param_hooks: list = []
+        self._build()
+        self._root_hook = module.register_forward_pre_hook(self._pre_forward)
+
+    # ------------------------------------------------------------------ buckets
+    def _build(self) -> None:
+        """Buckets over the parameters that want gradients now (rebuilt when that changes)."""
+        for h in self._param_hooks:
+            h.remove()
+        params = [p for p in self._params if p.requires_grad]
+        self._signature = tuple(p.requires_grad for p in self._params)
+        self.buckets, current, size = [], [], 0
         for p in reversed(params):
-            if current and (size + p.numel() * p.element_size() > limit or p.dtype != current[0].dtype):
-                self.buckets.append(_Bucket(current))
+            if current and (size + p.numel() * p.element_size() > self.limit or p.dtype != current[0].dtype):
+                self.buckets.append(self._bucket(len(self.buckets), current))
                 current, size = [], 0
             current.append(p)
             size += p.numel() * p.element_size()
         if current:
-            self.buckets.append(_Bucket(current))
+            self.buckets.append(self._bucket(len(self.buckets), current))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._offset_of: dict[int, int] = {}
-        for b in self.buckets:
-            offset = 0
-            for p in b.params:
-                self._offset_of[id(p)] = offset
-                offset += p.numel()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-        self._hooks += [p.register_hook(functools.partial(self._before_accumulate, p)) for p in params]
+        self._next_launch = 0
+        self._param_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._param_hooks += [p.register_hook(functools.partial(self._before_accumulate, p)) for p in params]
+
+    @staticmethod
+    def _bucket(index: int, params: list[nn.Parameter]) -> _Bucket:
+        offsets, pos = [], 0
+        for p in params:
+            offsets.append(pos)
+            pos += p.numel()
+        return _Bucket(index, params, offsets, pos, {id(p): off for p, off in zip(params, offsets, strict=True)})
+
+    def _pre_forward(self, module: nn.Module, args: object) -> None:
+        if tuple(p.requires_grad for p in self._params) != self._signature:
+            self._build()
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:
+        for h in self._param_hooks:
             h.remove()
-        self._hooks.clear()
+        self._param_hooks.clear()
+        self._root_hook.remove()
 
+    def shards_changed(self) -> None:
+        """Nothing is cached: the parameters are the compute copies."""
+
+    def zero_grad(self) -> None:
+        """Gradients live only in ``param.grad``."""
+
+    def full_params_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ hooks
     def _before_accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         """Point a missing ``p.grad`` at its (zeroed) slice of the bucket before autograd accumulates.
 
-        Autograd then adds the incoming gradient into the bucket and drops it, instead of keeping
-        it as ``p.grad`` until the bucket is reduced: at most one gradient lives outside the
-        buckets at a time (the peak drops by the model's gradient size under
-        ``zero_grad(set_to_none=True)``), and ``_launch`` has nothing to copy.
+        Autograd then adds the incoming gradient into the bucket and drops it, instead of keeping it as
+        ``p.grad`` until the bucket is reduced: at most one gradient lives outside the buckets at a
+        time (the peak drops by the model's gradient size under ``zero_grad(set_to_none=True)``), and
+        ``_launch`` has nothing to copy.
         """
         if p.grad is not None:
             return
-        view = self._bucket_view(p)
+        bucket = self._bucket_of[id(p)]
+        view = self._view(bucket, p)
         if view is not None and view.dtype == grad.dtype:
             p.grad = view.zero_()
-            self._bucket_of[id(p)].views[id(p)] = view
+            bucket.views[id(p)] = view
 
-    def _bucket_view(self, p: nn.Parameter) -> torch.Tensor | None:
-        bucket = self._bucket_of[id(p)]
+    @staticmethod
+    def _view(bucket: _Bucket, p: nn.Parameter) -> torch.Tensor | None:
         if bucket.flat is None or bucket.flat.dtype != p.dtype:
             return None
-        offset = self._offset_of[id(p)]
+        offset = bucket.offset_of[id(p)]
         return bucket.flat[offset:offset + p.numel()].view_as(p)
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -105,47 +156,51 @@ class Replicator:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finish_backward)
         bucket = self._bucket_of[id(p)]
-        if id(p) in bucket.arrived:
-            return
         bucket.arrived.add(id(p))
-        if len(bucket.arrived) == len(bucket.params) and bucket.handle is None:
-            self._launch(bucket)
+        # launch in bucket order, so that every rank issues the same all-reduces in the same order
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].full:
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
 
     def _launch(self, bucket: _Bucket) -> None:
         dtype = self.reduce_dtype or bucket.params[0].dtype
-        if bucket.flat is None:
-            bucket.flat = torch.empty(sum(p.numel() for p in bucket.params), dtype=dtype,
-                                      device=bucket.params[0].device)
+        n = len(bucket.params)
+        if bucket.flat is None or bucket.flat.dtype != dtype:
+            bucket.flat = torch.empty(bucket.numel + n, dtype=dtype, device=bucket.params[0].device)
+            bucket.views.clear()
         flat = bucket.flat
+        used = [p.grad is not None for p in bucket.params]
         with torch.no_grad():
-            offset = 0
-            for p in bucket.params:
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                 part = flat[offset:offset + p.numel()]
-                offset += p.numel()
                 if p.grad is None:
                     part.zero_()
                 elif p.grad is not bucket.views.get(id(p)):  # else the gradient already is its view of the bucket
                     part.copy_(p.grad.reshape(-1))
-        op, pre, post = _divide_factors(dtype, self.collectives.world_size)
-        if pre != 1.0:
-            flat.div_(pre)
-        bucket.post_divide = post
-        bucket.handle = self.collectives.all_reduce(flat, op=op, async_op=True)
+            flat[bucket.numel:].copy_(torch.tensor(used, dtype=dtype))
+        bucket.all_used_here = all(used)
+        bucket.handle = self.collectives.all_reduce(flat, op="avg", async_op=True,
+                                                    tag=f"all-reduce of gradient bucket {bucket.index}")
 
     def _finish_backward(self) -> None:
         self._callback_queued = False
-        for bucket in self.buckets:  # fixed order: unfilled buckets are issued the same way on every rank
-            if bucket.handle is None:
-                self._launch(bucket)
+        while self._next_launch < len(self.buckets):  # buckets that never filled, in order
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+        self._next_launch = 0
         with torch.no_grad():
             for bucket in self.buckets:
                 bucket.handle.wait()
-                if bucket.post_divide != 1.0:
-                    bucket.flat.div_(bucket.post_divide)
-                offset = 0
-                for p in bucket.params:
-                    avg = bucket.flat[offset:offset + p.numel()].view_as(p)
-                    offset += p.numel()
+                flat = bucket.flat
+                n = len(bucket.params)
+                used = [True] * n if bucket.all_used_here else (flat[bucket.numel:] > 0).tolist()
+                for p, offset, was_used in zip(bucket.params, bucket.offsets, used, strict=True):
+                    if not was_used:  # no rank produced a gradient: as plain PyTorch, no .grad
+                        if p.grad is bucket.views.get(id(p)):
+                            p.grad = None
+                        bucket.views.pop(id(p), None)
+                        continue
+                    avg = flat[offset:offset + p.numel()].view_as(p)
                     # the average replaces the local gradient (a view of the bucket when dtypes agree)
                     p.grad = avg if avg.dtype == p.dtype else avg.to(p.dtype)
                     if p.grad is avg:

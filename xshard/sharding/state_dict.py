@@ -1,15 +1,28 @@
-"""Full (unsharded) state dicts: gather one unit at a time to CPU; load by keeping this rank's shard.
+"""State dicts of a sharded model: full ones by default, this rank's pieces on request.
 
-Keys are exactly those of the user's ``module.state_dict()`` (tied parameters appear under each of
-their names, as there), so the result can go straight to ``save_pretrained`` or ``torch.save``.
-Parameters are gathered in their own dtype (the fp32 master values, not the compute copies).
+``model.state_dict()`` (of the prepared model, and of the user's own module inside it, which
+``unwrap_model`` returns) has the user's names and whole shapes, exactly as before sharding, so
+``save_pretrained`` and PEFT's ``save_pretrained`` write correct files with no extra argument. It is
+a collective: every rank must call it. Units are gathered one at a time to the CPU (peak memory is
+one unit beyond the result); tied parameters appear under each of their names, as the same tensor;
+parameters are gathered in their own dtype (the fp32 master values, not the compute copies). With
+``state_dict_rank0_only`` only rank 0 gets the tensors (others get an empty dict, as PyTorch FSDP's
+``rank0_only``): save with ``is_main_process=accelerator.is_main_process`` then.
+
+``load_state_dict`` takes a full state dict (each rank keeps its rows) or this rank's pieces
+(``sharded_state_dict``). Both are done by hooks on the user's module, so every caller of
+``state_dict()`` gets the same answer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from .layout import rows_of, unpack_rows
 from .unit import Unit, plan_buffer, segment
@@ -32,7 +45,7 @@ def _gather_unit(unit: Unit, keep: bool, mark_step: Any) -> dict[int, torch.Tens
         for i, sp in enumerate(unit.params):
             segment(send, layout, i, sp.dtype)[: sp.layout.local_numel].copy_(sp.user.detach().reshape(-1))
     recv = torch.empty(layout.row_numel * rt.world_size, dtype=buf_dtype, device=rt.device)
-    rt.collectives.all_gather_into_tensor(recv, send)
+    rt.collectives.all_gather_into_tensor(recv, send, tag=f"state-dict gather of unit {unit.name}")
     mark_step()
     if not keep:
         return {}
@@ -45,35 +58,111 @@ def _gather_unit(unit: Unit, keep: bool, mark_step: Any) -> dict[int, torch.Tens
     return out
 
 
-def _param_keys(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+def _param_keys(module: nn.Module) -> dict[str, nn.Parameter]:
     return dict(module.named_parameters(remove_duplicate=False))
+
+
+class StateDictHooks:
+    """The hooks that make the user's module's ``state_dict``/``load_state_dict`` speak whole tensors.
+
+    ``raw()`` suspends them, for the core's own reads of the shards (checkpoints, accounting).
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self._suspended = 0
+        module = model.module
+        # partials, not bound methods: torch marks hooks registered through its public API with an
+        # attribute, which a bound method cannot take
+        self._handles = [
+            module.register_state_dict_post_hook(functools.partial(StateDictHooks._post_state_dict, self)),
+            module.register_load_state_dict_pre_hook(functools.partial(StateDictHooks._pre_load, self)),
+            module.register_load_state_dict_post_hook(functools.partial(StateDictHooks._post_load, self)),
+        ]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    @contextlib.contextmanager
+    def raw(self) -> Iterator[None]:
+        """Inside the block, ``state_dict()`` returns the live shards (no collective)."""
+        self._suspended += 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
+
+    def _post_state_dict(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                         local_metadata: dict[str, Any]) -> None:
+        if self._suspended or not self.model.units:
+            return
+        keep = not self.model.options.state_dict_rank0_only or self.model.collectives.rank == 0
+        full = gather_full_params(self.model, keep)
+        if not keep:
+            state_dict.clear()
+            return
+        by_key = _param_keys(module)
+        for key in list(state_dict):
+            name = key[len(prefix):] if key.startswith(prefix) else key
+            p = by_key.get(name)
+            if p is not None and id(p) in full:
+                state_dict[key] = full[id(p)]
+            elif isinstance(state_dict[key], torch.Tensor):
+                state_dict[key] = state_dict[key].detach().to("cpu")
+
+    def _pre_load(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any,
+                  strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        """Whole tensors become this rank's rows (pieces already of the shard's shape pass through)."""
+        if self._suspended:
+            return
+        layouts = {id(view.param): view.layout for view in self.model.sharded_params()}
+        for name, p in _param_keys(module).items():
+            key = prefix + name
+            value = state_dict.get(key)
+            layout = layouts.get(id(p))
+            if layout is None or not isinstance(value, torch.Tensor):
+                continue
+            if tuple(value.shape) == tuple(layout.shape) and tuple(value.shape) != tuple(layout.local_shape):
+                state_dict[key] = layout.local_rows(value.detach())
+            elif tuple(value.shape) == tuple(layout.shape) == tuple(layout.local_shape):
+                state_dict[key] = value  # world of one: the whole tensor is the shard
+
+    def _post_load(self, module: nn.Module, incompatible_keys: Any) -> None:
+        self.model.shards_changed()
+
+
+def gather_full_params(model: Any, keep: bool) -> dict[int, torch.Tensor]:
+    """id(user Parameter) -> full CPU tensor of every sharded parameter; every rank must call it."""
+    full: dict[int, torch.Tensor] = {}
+    for unit in model.units:  # one unit in flight at a time: peak memory is one unit, not the model
+        full.update(_gather_unit(unit, keep, model.backend.mark_step))
+    return full
 
 
 def full_state_dict(model: Any, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """See ``ShardedModel.full_state_dict``."""
     keep = not rank0_only or model.collectives.rank == 0
     module = model.module
-    by_key = _param_keys(module)
-    full: dict[int, torch.Tensor] = {}
-    if model.units:
-        for unit in model.units:  # one unit in flight at a time: peak memory is one unit, not the model
-            full.update(_gather_unit(unit, keep, model.backend.mark_step))
+    full = gather_full_params(model, keep)
     if not keep:
         return {}
+    by_key = _param_keys(module)
     out: dict[str, torch.Tensor] = {}
-    for key, value in module.state_dict().items():
+    with model.raw_state_dict():
+        entries = module.state_dict()
+    for key, value in entries.items():
         p = by_key.get(key)
-        if p is not None and id(p) in full:
-            out[key] = full[id(p)]
-        else:
-            out[key] = value.detach().to("cpu", copy=True)
+        out[key] = full[id(p)] if p is not None and id(p) in full else value.detach().to("cpu", copy=True)
     return out
 
 
 def load_full_state_dict(model: Any, state_dict: dict[str, torch.Tensor]) -> None:
-    """See ``ShardedModel.load_full_state_dict``."""
+    """See ``ShardedModel.load_full_state_dict``: keys must match exactly; each rank keeps its rows."""
     module = model.module
-    expected = set(module.state_dict().keys())
+    with model.raw_state_dict():
+        expected = set(module.state_dict().keys())
     missing = sorted(expected - set(state_dict))
     unexpected = sorted(set(state_dict) - expected)
     if missing or unexpected:
@@ -82,38 +171,26 @@ def load_full_state_dict(model: Any, state_dict: dict[str, torch.Tensor]) -> Non
             f"{' ...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
             f"{' ...' if len(unexpected) > 10 else ''}"
         )
+    layouts = {id(view.param): view.layout for view in model.sharded_params()}
     by_key = _param_keys(module)
-    shard_of = {id(sp.user): sp for unit in model.units for sp in unit.params}
-    rank = model.collectives.rank
-    buffers = dict(module.named_buffers(remove_duplicate=False))
-    with torch.no_grad():
-        for key, value in state_dict.items():
-            p = by_key.get(key)
-            if p is None:
-                if key in buffers:
-                    buffers[key].copy_(value)
-                continue
-            if tuple(value.shape) != tuple(p.shape if id(p) not in shard_of else shard_of[id(p)].layout.shape):
-                raise ValueError(f"state dict entry {key!r} has shape {tuple(value.shape)}, the model's "
-                                 f"parameter has {tuple(shard_of[id(p)].layout.shape if id(p) in shard_of else p.shape)}")
-            sp = shard_of.get(id(p))
-            if sp is None:
-                p.copy_(value)
-                continue
-            g = sp.layout
-            flat = value.reshape(-1)[rank * g.seg: rank * g.seg + g.local_numel]
-            p.copy_(flat.view(g.local_shape))  # in place on the user's Parameter: bumps its version
-    for unit in model.units:
-        unit.stale = True
+    for key, value in state_dict.items():
+        p = by_key.get(key)
+        if p is None:
+            continue
+        want = layouts[id(p)].shape if id(p) in layouts else p.shape
+        if tuple(value.shape) != tuple(want):
+            raise ValueError(f"state dict entry {key!r} has shape {tuple(value.shape)}, the model's "
+                             f"parameter has {tuple(want)}")
+    module.load_state_dict(state_dict, strict=True)
 
 
 # ---------------------------------------------------------------------- local (per-rank) pieces
 #
 # A "piece" is the dim-0 row range of one state-dict entry that this rank holds. Sharded parameters
-# hold rows ``[rank * ceil(d0 / W), ...)`` (layout.py); everything else (buffers, stage-0 and
-# unsharded parameters) is replicated, so its piece is every row and only rank 0 needs to write it.
-# 0-dim tensors are viewed as one row. Checkpoints store and reassemble these pieces by rows, which
-# is what lets a checkpoint written on W ranks load on any other number of ranks.
+# hold rows ``ShardLayout.start:stop``; everything else (buffers, stage-0 parameters) is replicated,
+# so its piece is every row and only rank 0 needs to write it. 0-dim tensors are viewed as one row.
+# Checkpoints store and reassemble these pieces by rows, which is what lets a checkpoint written on
+# W ranks load on any other number of ranks.
 
 
 class LocalPiece:
@@ -131,21 +208,20 @@ class LocalPiece:
 def local_pieces(model: Any) -> dict[str, LocalPiece]:
     """Every key of ``module.state_dict()`` -> the piece this rank holds (tied keys share one tensor)."""
     module = model.module
-    shard_of = {id(sp.user): (sp, unit.rt) for unit in model.units for sp in unit.params}
+    layouts = {id(view.param): view.layout for view in model.sharded_params()}
     by_key = _param_keys(module)
     out: dict[str, LocalPiece] = {}
-    for key, value in module.state_dict(keep_vars=True).items():
+    with model.raw_state_dict():
+        entries = module.state_dict(keep_vars=True)
+    for key, value in entries.items():
         p = by_key.get(key)
-        found = shard_of.get(id(p)) if p is not None else None
-        if found is not None:
-            sp, rt = found
-            shape = tuple(sp.layout.shape)
-            start, stop = sp.layout.start, sp.layout.stop
-            sharded = rt.world_size > 1
+        layout = layouts.get(id(p)) if p is not None else None
+        if layout is not None:
+            out[key] = LocalPiece(key, tuple(layout.shape), layout.start, layout.stop, value,
+                                  layout.world_size > 1)
         else:
             shape = tuple(value.shape)
-            start, stop, sharded = 0, rows_of(shape), False
-        out[key] = LocalPiece(key, shape, start, stop, value, sharded)
+            out[key] = LocalPiece(key, shape, 0, rows_of(shape), value, False)
     return out
 
 
@@ -157,5 +233,4 @@ def load_local_pieces(model: Any, rows: dict[str, torch.Tensor]) -> None:
         for key, value in rows.items():
             target = pieces[key].tensor
             target.copy_(value.reshape(target.shape))
-    for unit in model.units:
-        unit.stale = True
+    model.shards_changed()

@@ -27,7 +27,7 @@ def state_bytes(model: Any) -> dict[str, int]:
     ``optimizer``: tensors in the state of optimizers passed to ``register_optimizer``.
     """
     rt = model._rt
-    offload = bool(model.options.offload)
+    offload = bool(rt.plan.offload)
     out = {"params": 0, "unsharded_params": 0, "grads": 0, "optimizer": 0, "device": 0, "offloaded": 0}
 
     def add(kind: str, t: torch.Tensor | None, by_policy_offloaded: bool, nbytes: int | None = None) -> None:

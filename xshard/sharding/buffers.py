@@ -1,0 +1,51 @@
+"""Buffers as DDP keeps them: rank 0's buffers are broadcast before each training forward.
+
+BatchNorm running statistics (and any buffer a forward updates) would otherwise drift apart, one
+set per rank. DDP's default (``broadcast_buffers=True``) broadcasts rank 0's module buffers at the
+start of every forward that can be followed by a synchronising backward (grad enabled, not inside
+``no_sync``); evaluation forwards use each rank's buffers as they are. The same here, at every
+stage: buffers are replicated (never sharded), packed into one broadcast per dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+class BufferSync:
+    """A forward pre-hook on the root module that broadcasts rank 0's buffers (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, collectives, syncing: Callable[[], bool]) -> None:
+        self.module = module
+        self.collectives = collectives
+        self.syncing = syncing  # False inside no_sync()
+        self._handle = None
+        if collectives.world_size > 1 and any(True for _ in module.buffers()):
+            self._handle = module.register_forward_pre_hook(self._pre_forward)
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _pre_forward(self, module: nn.Module, args: object) -> None:
+        if torch.is_grad_enabled() and self.syncing():
+            self.broadcast()
+
+    def broadcast(self) -> None:
+        """Every rank's buffers become rank 0's (one broadcast per dtype and device)."""
+        groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for buf in dict.fromkeys(self.module.buffers()):
+            if buf.numel():
+                groups.setdefault((buf.dtype, buf.device), []).append(buf)
+        with torch.no_grad():
+            for (dtype, _), bufs in groups.items():
+                flat = torch.cat([b.reshape(-1) for b in bufs])
+                self.collectives.broadcast(flat, src=0, tag=f"broadcast of {dtype} buffers")
+                offset = 0
+                for b in bufs:
+                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                    offset += b.numel()

@@ -1,0 +1,252 @@
+"""ShardedEngine: when units gather, run, reduce and free, driven by module and autograd hooks.
+
+Forward: a unit's forward pre-hook follows the user's ``requires_grad``, waits for (or issues) its
+all-gather, prefetches the next units in the previous forward's order, swaps the full parameters in
+and routes the unit's grad-requiring inputs through ``_PostBackward``; its forward hook swaps the
+user's Parameters back, frees the full parameters when the plan reshards after forward (except the
+root unit's while gradients are on: its parameters are needed first in backward, as in PyTorch
+FSDP2) and hooks the outputs' gradients. A forward that no backward follows (evaluation) finishes
+every gather it prefetched.
+
+Backward: the first gradient reaching a unit's outputs ("pre-backward") gathers the unit again and
+prefetches the next units in reverse forward order; ``_PostBackward`` fires once autograd has
+produced the gradients of the unit's inputs, which comes after its parameters' gradients
+(AccumulateGrad runs first in the engine's ready queue), so the unit's gradients are complete: it is
+reduced (asynchronously) when the plan reduces as gradients are ready, and freed. A callback queued
+on the autograd engine finishes what did not fire (units without grad-requiring inputs, the root,
+units skipped in this step), in a fixed order, reduces every unit when the plan reduces at the end of
+backward, waits for the reduces and writes each rank's gradient shard into ``param.grad``.
+
+Collectives are issued in the same order on every rank as long as every rank runs the same units in
+the same order; ``Collectives.verify_same_collectives`` (called before each optimizer step) turns a
+rank that did not into a clear error instead of silently mixed-up gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.autograd import Variable
+
+from .engine import Engine
+from .options import ShardingOptions
+from .plan import ReduceTiming, ShardingPlan
+from .trees import cast_floating, replace_grad_tensors, tensors_in
+from .unit import BackwardState, PendingReduce, Unit, UnitState
+
+_MAX_REDUCES_IN_FLIGHT = 2
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward tells the engine the unit's gradients are done."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):  # type: ignore[override]
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        ctx.callback()
+        return (None, *grads)
+
+
+class ShardedEngine(Engine):
+    """Drives the units of one model through forward and backward (stages 1-3)."""
+
+    def __init__(self, units: list[Unit], plan: ShardingPlan, options: ShardingOptions) -> None:
+        super().__init__()
+        self.units = units
+        self.root = units[0]
+        self.plan = plan
+        self.forward_prefetch = bool(options.forward_prefetch) or not plan.reshard_after_forward
+        self.backward_prefetch = options.backward_prefetch
+        self.max_inflight = int(options.max_inflight_all_gathers)
+        self.order: list[Unit] = []  # non-root units in the last forward's order
+        self._recording: list[Unit] = []
+        self._reduces: deque[PendingReduce] = deque()
+        self._callback_queued = False
+        self._summoned = False  # inside full_params_context: hooks stand aside
+        self._hooks: list[Any] = []
+        for unit in units:
+            self._hooks.append(unit.module.register_forward_pre_hook(
+                functools.partial(self._pre_forward, unit), with_kwargs=True))
+            self._hooks.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def shards_changed(self) -> None:
+        for unit in self.units:
+            unit.stale = True
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            unit.drop_full_grads()
+
+    # ------------------------------------------------------------------ prefetch
+    def _inflight(self) -> int:
+        if self.plan.reshard_after_forward:
+            return sum(1 for u in self.units if not u.is_root and u.state is not UnitState.SHARDED)
+        return sum(1 for u in self.units if u.state is UnitState.GATHERING)
+
+    def _prefetch(self, candidates: list[Unit]) -> None:
+        for unit in candidates:
+            if self._inflight() >= self.max_inflight:
+                return
+            if unit.backward is not BackwardState.DONE and unit.start_gather():
+                self.prefetched += 1
+                self._note_in_flight()
+
+    def _note_in_flight(self) -> None:
+        self.peak_in_flight = max(self.peak_in_flight, self._inflight())
+
+    def _after(self, unit: Unit, order: list[Unit]) -> list[Unit]:
+        if unit.is_root:
+            return list(order)
+        try:
+            return order[order.index(unit) + 1:]
+        except ValueError:
+            return []
+
+    # ------------------------------------------------------------------ forward
+    def _pre_forward(self, unit: Unit, module, args, kwargs):
+        if self._summoned:
+            return None
+        if unit.backward is BackwardState.RUNNING:
+            # a recompute inside this unit's backward (checkpointing that re-enters module.__call__,
+            # e.g. Hugging Face's gradient_checkpointing_enable): parameters are gathered and must stay so
+            unit.wait_gather()
+            unit.swap_in()
+            return None
+        if unit.is_root:
+            self._recording = []
+        elif unit not in self._recording:
+            self._recording.append(unit)
+        unit.refresh_trainable()
+        unit.wait_gather()
+        self._note_in_flight()
+        if self.forward_prefetch:
+            self._prefetch(self._after(unit, self.order))
+        unit.swap_in()
+        dtype = self.plan.precision.param_dtype
+        args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
+        if torch.is_grad_enabled():
+            unit.pending_backward_calls += 1
+            callback = functools.partial(self._post_backward, unit)
+            args, kwargs = replace_grad_tensors((args, kwargs), lambda ts: _PostBackward.apply(callback, *ts))
+        return args, kwargs
+
+    def _post_forward(self, unit: Unit, module, args, output):
+        if self._summoned or unit.backward is BackwardState.RUNNING:
+            return None
+        unit.swap_out()
+        if unit.is_root and self._recording:
+            self.order = self._recording
+        grad_outputs = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        backward_follows = bool(grad_outputs)
+        if self.plan.reshard_after_forward and not (unit.is_root and backward_follows):
+            unit.reshard()  # the root stays gathered only if a backward can follow
+        if unit.is_root and not backward_follows:
+            self._settle_gathers()  # no backward: gathers prefetched for units that never ran end here
+        hook = functools.partial(self._pre_backward, unit)
+        for t in grad_outputs:
+            t.register_hook(hook)
+        return output
+
+    def _settle_gathers(self) -> None:
+        """Complete every gather in flight (each collective must finish on every rank) and, when the
+        plan reshards after forward, free what is gathered."""
+        for unit in self.units:
+            if self.plan.reshard_after_forward:
+                unit.reshard()
+            else:
+                unit.finish_gather()
+
+    # ------------------------------------------------------------------ backward
+    def _queue_final_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        self._queue_final_callback()
+        if unit.backward is not BackwardState.IDLE:
+            return
+        unit.backward = BackwardState.RUNNING
+        unit.wait_gather()
+        self._note_in_flight()
+        unit.swap_in()  # activation-checkpointing recompute reads the module's parameters
+        if self.backward_prefetch == "pre":
+            self._prefetch(self._after(unit, self.order[::-1]))
+
+    def _post_backward(self, unit: Unit) -> None:
+        unit.pending_backward_calls -= 1
+        if unit.pending_backward_calls <= 0:
+            self._unit_backward_done(unit)
+
+    def _unit_backward_done(self, unit: Unit) -> None:
+        if unit.backward is BackwardState.DONE:
+            return
+        unit.backward = BackwardState.DONE
+        unit.swap_out()
+        if self.sync and self.plan.reduce_timing is ReduceTiming.AS_READY:
+            self._reduce(unit)
+        if self.plan.reshard_after_forward:
+            unit.reshard()
+        if self.backward_prefetch == "post":
+            self._prefetch(self._after(unit, self.order[::-1]))
+
+    def _reduce(self, unit: Unit) -> None:
+        while len(self._reduces) >= _MAX_REDUCES_IN_FLIGHT:
+            self._reduces.popleft().finish()
+        pending = unit.start_reduce()
+        if pending is not None:
+            self._reduces.append(pending)
+
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        for unit in reversed(self.units):  # fixed order: the same collectives on every rank
+            self._unit_backward_done(unit)
+        if self.sync and self.plan.reduce_timing is ReduceTiming.END_OF_BACKWARD:
+            for unit in reversed(self.units):
+                self._reduce(unit)
+        self.drain()
+        self._settle_gathers()
+        for unit in self.units:
+            unit.backward = BackwardState.IDLE
+            unit.pending_backward_calls = 0
+
+    def drain(self) -> None:
+        """Wait for every reduce in flight and write the gradient shards."""
+        while self._reduces:
+            self._reduces.popleft().finish()
+
+    # ------------------------------------------------------------------ whole parameters
+    @contextlib.contextmanager
+    def full_params_context(self) -> Iterator[None]:
+        """Every unit gathered and swapped in; forward runs with no collective (every rank must enter)."""
+        if self._summoned:
+            yield
+            return
+        for unit in self.units:
+            unit.refresh_trainable()
+            unit.wait_gather()
+        for unit in self.units:
+            unit.swap_in()
+        self._summoned = True
+        try:
+            yield
+        finally:
+            self._summoned = False
+            for unit in self.units:
+                unit.swap_out()
+                if self.plan.reshard_after_forward:
+                    unit.reshard()
