@@ -2,9 +2,10 @@
 
 BatchNorm running statistics (and any buffer a forward updates) would otherwise drift apart, one
 set per rank. DDP's default (``broadcast_buffers=True``) broadcasts rank 0's module buffers at the
-start of every forward that can be followed by a synchronising backward (grad enabled, not inside
-``no_sync``); evaluation forwards use each rank's buffers as they are. The same here, at every
-stage: buffers are replicated (never sharded), packed into one broadcast per dtype.
+start of a forward when the previous forward could be followed by a synchronising backward (grad
+enabled, not inside ``no_sync``; also the first forward): so the first evaluation forward after
+training still starts from rank 0's buffers, and later ones use each rank's as they are. The same
+here, at every stage: buffers are replicated (never sharded), packed into one broadcast per dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class BufferSync:
         self.collectives = collectives
         self.syncing = syncing  # False inside no_sync()
         self._handle = None
+        self._sync_next = True  # decided by the previous forward, as DDP's require_forward_param_sync
         if collectives.world_size > 1 and any(True for _ in module.buffers()):
             self._handle = module.register_forward_pre_hook(self._pre_forward)
 
@@ -31,9 +33,11 @@ class BufferSync:
             self._handle.remove()
             self._handle = None
 
+    @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: object) -> None:
-        if torch.is_grad_enabled() and self.syncing():
+        if self._sync_next:
             self.broadcast()
+        self._sync_next = torch.is_grad_enabled() and self.syncing()
 
     def broadcast(self) -> None:
         """Every rank's buffers become rank 0's (one broadcast per dtype and device)."""

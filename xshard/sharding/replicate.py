@@ -106,6 +106,7 @@ class ReplicatedEngine(Engine):
             pos += p.numel()
         return _Bucket(index, params, offsets, pos, {id(p): off for p, off in zip(params, offsets, strict=True)})
 
+    @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: object) -> None:
         if tuple(p.requires_grad for p in self._params) != self._signature:
             self._build()
@@ -126,6 +127,7 @@ class ReplicatedEngine(Engine):
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ hooks
+    @torch.compiler.disable
     def _before_accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         """Point a missing ``p.grad`` at its (zeroed) slice of the bucket before autograd accumulates.
 
@@ -149,6 +151,7 @@ class ReplicatedEngine(Engine):
         offset = bucket.offset_of[id(p)]
         return bucket.flat[offset:offset + p.numel()].view_as(p)
 
+    @torch.compiler.disable
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self.sync:
             return
@@ -182,6 +185,7 @@ class ReplicatedEngine(Engine):
         bucket.handle = self.collectives.all_reduce(flat, op="avg", async_op=True,
                                                     tag=f"all-reduce of gradient bucket {bucket.index}")
 
+    @torch.compiler.disable
     def _finish_backward(self) -> None:
         self._callback_queued = False
         while self._next_launch < len(self.buckets):  # buckets that never filled, in order

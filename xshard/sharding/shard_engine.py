@@ -17,6 +17,10 @@ on the autograd engine finishes what did not fire (units without grad-requiring 
 units skipped in this step), in a fixed order, reduces every unit when the plan reduces at the end of
 backward, waits for the reduces and writes each rank's gradient shard into ``param.grad``.
 
+torch.compile: the hooks are ``torch.compiler.disable``d, so a compiled model (or compiled blocks)
+runs them eagerly at graph breaks around each unit, and the compiled graphs see ordinary Parameters
+(the full copies, the same objects every step, so no recompilation).
+
 Collectives are issued in the same order on every rank as long as every rank runs the same units in
 the same order; ``Collectives.verify_same_collectives`` (called before each optimizer step) turns a
 rank that did not into a clear error instead of silently mixed-up gradients.
@@ -117,6 +121,7 @@ class ShardedEngine(Engine):
             return []
 
     # ------------------------------------------------------------------ forward
+    @torch.compiler.disable
     def _pre_forward(self, unit: Unit, module, args, kwargs):
         if self._summoned:
             return None
@@ -144,6 +149,7 @@ class ShardedEngine(Engine):
             args, kwargs = replace_grad_tensors((args, kwargs), lambda ts: _PostBackward.apply(callback, *ts))
         return args, kwargs
 
+    @torch.compiler.disable
     def _post_forward(self, unit: Unit, module, args, output):
         if self._summoned or unit.backward is BackwardState.RUNNING:
             return None
@@ -176,6 +182,7 @@ class ShardedEngine(Engine):
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finish_backward)
 
+    @torch.compiler.disable
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
         self._queue_final_callback()
         if unit.backward is not BackwardState.IDLE:
@@ -187,6 +194,7 @@ class ShardedEngine(Engine):
         if self.backward_prefetch == "pre":
             self._prefetch(self._after(unit, self.order[::-1]))
 
+    @torch.compiler.disable
     def _post_backward(self, unit: Unit) -> None:
         unit.pending_backward_calls -= 1
         if unit.pending_backward_calls <= 0:
@@ -211,6 +219,7 @@ class ShardedEngine(Engine):
         if pending is not None:
             self._reduces.append(pending)
 
+    @torch.compiler.disable
     def _finish_backward(self) -> None:
         self._callback_queued = False
         for unit in reversed(self.units):  # fixed order: the same collectives on every rank
