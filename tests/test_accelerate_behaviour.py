@@ -9,8 +9,8 @@ test scripts (behaviour only; written for xshard):
 - clipping inside a window clips this process's accumulated gradients and returns their norm;
 - the scheduler steps once per process per optimizer step (once with ``split_batches``, on every call
   with ``step_scheduler_with_optimizer=False``);
-- ``gather_for_metrics`` returns each of 37 samples exactly once (tensors and objects, in order or
-  shuffled, with ``split_batches``); ``pad_across_processes`` evens out lengths;
+- ``gather_for_metrics`` returns each of 37 samples exactly once, in the loader's order (tensors and
+  objects, in order or shuffled, with ``split_batches``); ``pad_across_processes`` evens out lengths;
 - automatic checkpoint naming keeps ``total_limit`` folders, restores registered objects, and loads
   the newest without a folder name.
 """
@@ -174,7 +174,9 @@ def test_gather_for_metrics_returns_every_sample_once():
             assert sorted(metric) == list(range(37)), name
             assert sorted(objects, key=lambda s: int(s[1:])) == [f"s{i}" for i in range(37)]
             assert last_scalars == 2  # one value per process is not per-sample: nothing is cut
-        assert out["ordered"][1] == [0, 2, 4, 6, 1, 3, 5, 7] + out["ordered"][1][8:]  # rank 0's part, then rank 1's
+        # in the data set's order (rank 0 holds samples 0, 2, 4 ..., rank 1 holds 1, 3, 5 ...)
+        assert out["ordered"][1] == list(range(37)) and out["split"][1] == list(range(37))
+        assert out["ordered"][2] == [f"s{i}" for i in range(37)]
     assert results[0]["pad"] == ([1, 0], [0, 1]) and results[1]["pad"] == ([1, 2], [1, 2])
 
 

@@ -558,9 +558,10 @@ class Accelerator:
 
     # ------------------------------------------------------------------ evaluation across processes
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """``gather`` without the samples repeated to even out the last batch (``xshard.metrics``).
+        """``gather`` of per-sample values in the loader's order, each sample once (``xshard.metrics``).
 
-        37 evaluation samples on 2 processes give 37 values, not 38. Non-tensor data (or
+        37 evaluation samples on 2 processes give 37 values, not 38, in the order the loader reads
+        the data set (so they line up with its labels). Non-tensor data (or
         ``use_gather_object=True``) is gathered as Python objects: a list per process, joined.
         """
         if use_gather_object or not metrics.only_tensors(input_data):
@@ -568,11 +569,11 @@ class Accelerator:
         else:
             data = self.gather(input_data)
         loader = self.job.active_loader()
-        found = loader.real_counts() if loader is not None and loader.end_of_epoch else None
+        found = loader.real_counts() if loader is not None else None
         if found is None:
             return data
         counts, batch_len = found
-        return metrics.drop_repeats(data, counts, batch_len, self.world_size)
+        return metrics.in_loader_order(data, counts, batch_len, self.world_size)
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         """Pad tensor(s) along ``dim`` to the largest size on any process, so they can be gathered."""

@@ -1,12 +1,17 @@
 """Evaluation across processes: gather without the repeated samples, pad, gather Python objects, split inputs.
 
-``gather_for_metrics`` is ``gather`` minus the samples that only even out the last batch: a prepared
-loader gives every rank the same number of samples by repeating a few at the end of an epoch, so a
-plain gather of a 37-sample evaluation set on 2 ranks returns 38 predictions. The loader knows how
-many of each rank's samples in the batch in use are real (``ShardedDataLoader.real_counts``); the
-repeats sit at the end of each rank's part, so each rank's part of the gathered tensor is cut to
-its real count. Only tensors whose first dimension is the batch are cut (as in Accelerate, whose
-rule is "the first ``remainder`` rows"); other values are returned as gathered.
+``gather_for_metrics`` gives per-sample values in the loader's order, each sample once:
+
+- a prepared loader gives every rank the same number of samples by repeating a few at the end of an
+  epoch, so a plain gather of a 37-sample evaluation set on 2 ranks returns 38 predictions; the
+  loader knows how many of each rank's samples in the batch in use are real
+  (``ShardedDataLoader.real_counts``), and the repeats are dropped;
+- rank ``r`` holds samples ``r, r + W, r + 2W ...`` of the epoch's order, so the gathered parts are
+  interleaved back into that order: predictions line up with the data set's labels, as they do in
+  Accelerate (whose ranks read contiguous blocks), e.g. in the PEFT guide's accuracy loop.
+
+Only values with one row per sample of the batch are reordered and cut (Accelerate's rule is "the
+first ``remainder`` rows" of any value); other values are returned as gathered.
 """
 
 from __future__ import annotations
@@ -89,28 +94,27 @@ def gather_object(collectives: Any, device: torch.device, obj: Any) -> list[Any]
     return parts
 
 
-def drop_repeats(gathered: Any, counts: list[int], batch_len: int, world_size: int) -> Any:
-    """Cut each rank's part of gathered batch tensors (or a flattened object list) to its real count.
+def in_loader_order(gathered: Any, counts: list[int], batch_len: int, world_size: int) -> Any:
+    """Per-sample rows of a gathered batch (tensors, or a flattened object list) in the loader's order,
+    without the repeats: row ``i`` of rank ``r`` is sample ``i * world_size + r`` of the batch, real when
+    ``i < counts[r]``.
 
     ``batch_len``: samples per rank in the batch; values whose per-rank part has another length are
-    not per-sample and stay whole.
+    not per-sample and stay as gathered.
     """
+    order = [r * batch_len + i for i in range(batch_len) for r in range(world_size) if i < counts[r]]
 
-    def cut(rows: Any) -> Any:
+    def arrange(rows: Any) -> Any:
         total = len(rows) if not isinstance(rows, torch.Tensor) else (rows.shape[0] if rows.dim() else 0)
-        if total == 0 or total % world_size:
+        if total != batch_len * world_size:  # not one row per sample of this batch
             return rows
-        part = total // world_size
-        if part != batch_len:  # not one row per sample of this batch
-            return rows
-        keep = [slice(r * part, r * part + min(counts[r], part)) for r in range(world_size)]
         if isinstance(rows, torch.Tensor):
-            return torch.cat([rows[k] for k in keep])
-        return [item for k in keep for item in rows[k]]
+            return rows[torch.tensor(order, dtype=torch.long, device=rows.device)]
+        return [rows[k] for k in order]
 
     if isinstance(gathered, list) and not only_tensors(gathered):
-        return cut(gathered)
-    return map_tensors(gathered, cut, strict=False)
+        return arrange(gathered)
+    return map_tensors(gathered, arrange, strict=False)
 
 
 @contextlib.contextmanager
