@@ -89,6 +89,8 @@ def test_xshard_launch_runs_the_script_on_2_processes_and_saves_models_transform
     assert set(sharded) <= set(state) and "transformer.wte.weight" in sharded
     for key, tensor in sharded.items():
         torch.testing.assert_close(state[key], tensor, rtol=0, atol=0)
+    # save_model writes weights only (as Accelerate's); with the model's config beside them, from_pretrained reads them
+    model.config.save_pretrained(out / "model_sharded")
     reloaded = GPT2LMHeadModel.from_pretrained(out / "model_sharded")
     ids = torch.arange(16).unsqueeze(0)
     torch.testing.assert_close(reloaded(ids).logits, model(ids).logits)
