@@ -76,7 +76,9 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     data = synthetic_data(args.samples, 16)
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True)
-    steps = args.epochs * len(loader) // (acc.world_size * acc.gradient_accumulation_steps)
+    # A prepared scheduler steps once per process per optimizer step (as in Accelerate), so the schedule
+    # is written in batches of one process, whatever the number of processes.
+    steps = args.epochs * len(loader) // acc.gradient_accumulation_steps
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=max(1, steps) + 1)
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
 
@@ -88,7 +90,8 @@ def main() -> None:
             with acc.accumulate(model), acc.autocast():
                 loss = model(*batch)
                 acc.backward(loss)
-                acc.clip_grad_norm_(model.parameters(), 1.0)
+                if acc.sync_gradients:  # clip the finished gradients, once per optimizer step
+                    acc.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()

@@ -36,8 +36,10 @@ from __future__ import annotations
 import builtins
 import contextlib
 import datetime
+import functools
 import os
 import random
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -45,24 +47,27 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from . import grads, metrics, project, saving, tracking
+from .accelerate_args import AccelerateSettings, config_origin, read_accelerate_args
 from .backends import Backend, select
 from .data import ShardedDataLoader, shard_data_loader
 from .job import JobState
 from .log import get_logger, progress, setup_logging
 from .prepared import PreparedOptimizer, PreparedScheduler
 from .rebind import StaleParameterGuard, rebind_optimizer
+from .state import AcceleratorState, DistributedType, GradientState
 
 log = get_logger("xshard.accelerator")
 
 _MIXED_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _load_config(config: Any, overrides: dict[str, Any]) -> Any:
+def _load_config(config: Any, overrides: dict[str, Any], script_args: dict[str, Any] | None = None) -> Any:
     from .config import XShardConfig
 
     if isinstance(config, XShardConfig) and not overrides:
         return config
-    return XShardConfig.load(config, overrides=overrides or None, env=os.environ)
+    return XShardConfig.load(config, overrides=overrides or None, env=os.environ, script_args=script_args)
 
 
 class Accelerator:
@@ -79,7 +84,13 @@ class Accelerator:
             ``prepare`` broadcasts rank 0's weights so that every rank starts from the same model.
         timeout: process-group timeout (seconds or a timedelta) for a hung collective.
         log_level / log_level_replica / log_on_each_node: see ``xshard.log``.
-        **overrides: config fields, e.g. ``stage=2, gradient_accumulation_steps=4``.
+        **overrides: config fields, e.g. ``stage=2, gradient_accumulation_steps=4``, and Accelerate's
+            constructor arguments (``mixed_precision``, ``gradient_accumulation_steps``, ``cpu``,
+            ``split_batches``, ``dataloader_config``, ``step_scheduler_with_optimizer``,
+            ``log_with``, ``project_dir``, ``project_config``, ``kwargs_handlers``,
+            ``gradient_accumulation_plugin``, ``fsdp_plugin``, ``deepspeed_plugin``, ...), read as
+            ``xshard.accelerate_args`` describes; the ones with no meaning here are named in one
+            warning.
     """
 
     def __init__(
@@ -94,7 +105,14 @@ class Accelerator:
         log_on_each_node: bool | None = None,
         **overrides: Any,
     ) -> None:
-        self.config = _load_config(config, overrides)
+        # Accelerate's arguments (the rest of **overrides are config fields); see accelerate_args
+        compat = read_accelerate_args(overrides)
+        overrides = {**compat.overrides, **overrides}
+        config = compat.ds_config if config is None and compat.ds_config is not None else config
+        origin, ds_config = config_origin(config, os.environ)
+        backend = backend if backend is not None else compat.backend
+        timeout = timeout if timeout is not None else compat.timeout
+        self.config = _load_config(config, overrides, self._auto_values(compat) if origin == "deepspeed" else None)
         config_backend = None if self.config.backend == "auto" else self.config.backend
         selection = select(backend if backend is not None else config_backend)
         # The backend knows where this process sits in the job (torchrun's variables, or torch_xla's
@@ -134,6 +152,7 @@ class Accelerator:
         )
         self._ended = False
         self._stale_guard = StaleParameterGuard()
+        self._setup_accelerate(compat, origin, ds_config)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -278,22 +297,26 @@ class Accelerator:
         return prepared
 
     def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
-        """Wrap an LR scheduler so it steps only when its optimizer really stepped."""
-        owner = next((o for o in self.job.optimizers if o.optimizer is scheduler.optimizer), None)
-        prepared = PreparedScheduler(scheduler, owner)
+        """Wrap an LR scheduler so it steps as Accelerate's does (``xshard.prepared``)."""
+        owners = [o for o in self.job.optimizers if o.optimizer is getattr(scheduler, "optimizer", None)]
+        prepared = PreparedScheduler(scheduler, owners or list(self.job.optimizers), self.job)
         self.job.schedulers.append(prepared)
         return prepared
 
     def prepare_data_loader(self, loader: DataLoader, shard: bool = True) -> ShardedDataLoader:
         """Give ``loader`` this rank's slice of every epoch (``xshard.data``) and device placement.
 
-        ``loader.batch_size`` is per process: the global batch is ``batch_size * world_size``.
+        ``loader.batch_size`` is per process: the global batch is ``batch_size * world_size``
+        (with ``split_batches=True`` it is the global batch, divided over the processes).
         """
         prepared = shard_data_loader(
-            loader, self.device, num_replicas=self.world_size, rank=self.rank, seed=self.seed,
-            wrap=self.backend.wrap_dataloader, shard=shard,
+            loader, self.device, num_replicas=self.world_size, rank=self.rank,
+            seed=self._data_seed if self._data_seed is not None else self.seed,
+            wrap=self.backend.wrap_dataloader, shard=shard, split_batches=self.job.split_batches,
+            non_blocking=self._non_blocking,
         )
         self.job.loaders.append(prepared)
+        self._fill_auto_batch(prepared)
         return prepared
 
     # ------------------------------------------------------------------ the training step
@@ -302,7 +325,7 @@ class Accelerator:
         """One micro-step: gradients are synchronised only at the end of an accumulation window."""
         self.job.begin_micro_step(end_of_epoch=self.job.end_of_epoch())
         with contextlib.ExitStack() as stack:
-            if not self.job.sync_gradients:
+            if not self.job.sync_gradients and not (self.job.sync_each_batch and self.world_size > 1):
                 for model in models or self.job.models:
                     no_sync = getattr(model, "no_sync", None)
                     if no_sync is not None:
@@ -318,21 +341,49 @@ class Accelerator:
         else:
             loss.backward(**kwargs)
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """The backend's autocast in the config's mixed-precision dtype (nothing for "no")."""
-        return self.backend.autocast(self.compute_dtype, enabled=self.compute_dtype is not None)
+    def autocast(self, autocast_handler: Any = None) -> contextlib.AbstractContextManager:
+        """The backend's autocast in the config's mixed-precision dtype (nothing for "no").
+
+        ``autocast_handler``: an ``AutocastKwargs``; ``enabled=False`` turns it off in the block
+        (default: the one given in ``kwargs_handlers``).
+        """
+        enabled = self._autocast_enabled if autocast_handler is None else bool(autocast_handler.enabled)
+        return self.backend.autocast(self.compute_dtype, enabled=enabled and self.compute_dtype is not None)
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.nn.Parameter] | torch.Tensor, max_norm: float, norm_type: float = 2.0
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         """Clip gradients to a global norm over all shards (every rank agrees); returns the norm.
 
-        On micro-steps inside an accumulation window it does nothing and returns None. For a
-        prepared model, the whole model's gradients are clipped (the core computes one norm).
+        For a prepared model, the whole model's gradients are clipped (the core computes one norm).
+        On micro-steps inside an accumulation window it does what Accelerate does: it clips the
+        gradients this process accumulated so far (not yet reduced) and returns their local norm
+        (``xshard.grads``); call it under ``if accelerator.sync_gradients:`` to clip only the
+        finished gradients.
         """
-        if not self.job.sync_gradients:
-            return None
-        return self.job.clip_grad_norm_(parameters, max_norm, norm_type)
+        if self.job.sync_gradients:
+            return self.job.clip_grad_norm_(parameters, max_norm, norm_type)
+        return grads.clip_norm_(self._window_gradients(parameters), max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter] | torch.Tensor, clip_value: float) -> None:
+        """Clamp every gradient element to ``[-clip_value, clip_value]`` (fp16: after unscaling).
+
+        Exact at every stage (clamping a shard clamps those elements of the full gradient); inside
+        an accumulation window it clamps the gradients accumulated so far, as Accelerate does.
+        """
+        if self.job.sync_gradients:
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            self.job.unscale_gradients()
+            grads.clip_value_([p.grad for p in params if p.grad is not None], clip_value)
+        else:
+            grads.clip_value_(self._window_gradients(parameters), clip_value)
+
+    def _window_gradients(self, parameters: Iterable[torch.nn.Parameter] | torch.Tensor) -> list[torch.Tensor]:
+        if self.scaler is not None:
+            raise ValueError("clipping inside an accumulation window with mixed_precision='fp16' would clip "
+                             "loss-scaled gradients: clip under `if accelerator.sync_gradients:`")
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        return grads.held_gradients(self.job.models, params)
 
     # ------------------------------------------------------------------ collectives and processes
     def gather(self, data: Any) -> Any:
@@ -340,7 +391,7 @@ class Accelerator:
 
         Works on nested dicts/lists/tuples of tensors; shapes must match across ranks.
         """
-        return _map_tensors(data, self._gather_one)
+        return metrics.map_tensors(data, self._gather_one)
 
     def _gather_one(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach().to(self.device)
@@ -349,20 +400,22 @@ class Accelerator:
         self.backend.collectives.all_gather_into_tensor(out, t)
         return out
 
-    def reduce(self, data: Any, reduction: str = "mean") -> Any:
-        """Sum or average tensor(s) over ranks; returns new tensors (the inputs are left alone)."""
-        ops = {"mean": "avg", "sum": "sum"}
+    def reduce(self, data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """Sum, average or max of tensor(s) over ranks, times ``scale`` ("none": unchanged); returns
+        new tensors (the inputs are left alone). The default is a sum, as in Accelerate."""
+        ops = {"mean": "avg", "sum": "sum", "max": "max", "none": None}
         if reduction not in ops:
-            raise ValueError(f"reduce(reduction={reduction!r}): use 'mean' or 'sum'")
+            raise ValueError(f"reduce(reduction={reduction!r}): use 'sum', 'mean', 'max' or 'none'")
 
         def one(t: torch.Tensor) -> torch.Tensor:
             out = t.detach().to(self.device).clone()
             if not out.is_floating_point() and reduction == "mean":
                 out = out.float()
-            self.backend.collectives.all_reduce(out, op=ops[reduction])
-            return out
+            if ops[reduction] is not None and self.world_size > 1:
+                self.backend.collectives.all_reduce(out, op=ops[reduction])
+            return out * scale if scale != 1.0 else out
 
-        return _map_tensors(data, one)
+        return metrics.map_tensors(data, one)
 
     def wait_for_everyone(self) -> None:
         """Barrier: every rank waits until all reach this point."""
@@ -387,6 +440,286 @@ class Accelerator:
         """A tqdm progress bar shown on the main process only."""
         return progress(iterable, **kwargs)
 
+    # ------------------------------------------------------------------ Accelerate's arguments and state
+    @staticmethod
+    def _auto_values(compat: AccelerateSettings) -> dict[str, Any]:
+        """Values for a ds_config's ``"auto"`` entries, filled as Accelerate fills them: accumulation
+        and clipping from the Accelerator's arguments (clipping 1.0 unless a DeepSpeedPlugin or
+        ``ACCELERATE_GRADIENT_CLIPPING`` says otherwise), bf16/fp16 from ``mixed_precision``, the
+        micro-batch from the first prepared data loader (``_fill_auto_batch``)."""
+        from .config.auto import LATER
+
+        values = dict(compat.script_args)
+        precision = str(compat.overrides.get("mixed_precision", "no")).lower()
+        values.setdefault("bf16", precision in ("bf16", "bfloat16"))
+        values.setdefault("fp16", precision in ("fp16", "float16"))
+        values.setdefault("max_grad_norm", float(os.environ.get("ACCELERATE_GRADIENT_CLIPPING", 1.0)))
+        values["per_device_train_batch_size"] = LATER
+        return values
+
+    def _setup_accelerate(self, compat: AccelerateSettings, origin: str, ds_config: dict[str, Any] | None) -> None:
+        """Apply Accelerate's arguments to the job; name the ones with no meaning here in one warning."""
+        job = self.job
+        job.adjust_scheduler, job.sync_with_dataloader = compat.adjust_scheduler, compat.sync_with_dataloader
+        job.sync_each_batch, job.split_batches = compat.sync_each_batch, compat.split_batches
+        job.step_scheduler_with_optimizer = compat.step_scheduler_with_optimizer
+        self._data_seed, self._non_blocking = compat.data_seed, compat.non_blocking
+        self._autocast_enabled = compat.autocast_enabled
+        self._flag: torch.Tensor | None = None
+        #: Accelerate's ProjectConfiguration (project_dir, logging_dir, automatic checkpoint naming)
+        self.project_configuration = compat.project
+        self._tracker_choice = tracking.resolve(compat.log_with, self.logging_dir)
+        #: the running trackers (main process; after ``init_trackers``)
+        self.trackers: list[Any] = []
+        if compat.scaler_kwargs and job.scaler is not None:
+            from .sharding import ShardedGradScaler
+
+            job.scaler = ShardedGradScaler(self.backend, **compat.scaler_kwargs)
+        if ds_config is not None:
+            from .config.auto import resolve_auto
+
+            ds_config = resolve_auto(ds_config, self._auto_values(compat), os.environ)
+        #: Accelerate's ``AcceleratorState`` and ``GradientState``, read from this job (``xshard.state``)
+        self.state = AcceleratorState(self, origin, ds_config)
+        self.gradient_state = GradientState(job)
+        if compat.ignored and self.is_main_process:
+            warnings.warn("Accelerator: these arguments have no effect in xshard and are ignored: "
+                          + "; ".join(compat.ignored), stacklevel=3)
+
+    def _fill_auto_batch(self, loader: ShardedDataLoader) -> None:
+        """A ds_config's ``"auto"`` micro-batch: the first prepared loader's batch size per process."""
+        plugin = self.state.deepspeed_plugin
+        if plugin is None or self.config.train_micro_batch_size_per_gpu is not None or loader.batch_size is None:
+            return
+        micro = int(loader.batch_size)
+        total = micro * self.gradient_accumulation_steps * self.world_size
+        self.config.train_micro_batch_size_per_gpu, self.config.train_batch_size = micro, total
+        plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=micro, train_batch_size=total)
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        """How the job is distributed, in Accelerate's names (``xshard.state``)."""
+        return self.state.distributed_type
+
+    @property
+    def num_processes(self) -> int:
+        """Accelerate's name for ``world_size``."""
+        return self.world_size
+
+    @property
+    def process_index(self) -> int:
+        """Accelerate's name for ``rank``."""
+        return self.rank
+
+    @property
+    def local_process_index(self) -> int:
+        """Accelerate's name for ``local_rank``."""
+        return self.local_rank
+
+    @property
+    def is_last_process(self) -> bool:
+        """True on the highest global rank."""
+        return self.rank == self.world_size - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        """True when the job has more than one process."""
+        return self.world_size > 1
+
+    @property
+    def split_batches(self) -> bool:
+        """A loader's ``batch_size`` is the global batch (divided over the processes)."""
+        return self.job.split_batches
+
+    @property
+    def even_batches(self) -> bool:
+        """Always True: the last batch is evened out by repeats that ``gather_for_metrics`` drops."""
+        return True
+
+    @property
+    def project_dir(self) -> str | None:
+        """The project folder (``project_dir`` / ``project_config``)."""
+        return getattr(self.project_configuration, "project_dir", None)
+
+    @property
+    def logging_dir(self) -> str | None:
+        """Where trackers write (default: ``project_dir``)."""
+        return getattr(self.project_configuration, "logging_dir", None)
+
+    @property
+    def save_iteration(self) -> int:
+        """The number of the next automatic checkpoint."""
+        return int(getattr(self.project_configuration, "iteration", 0))
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True when the last optimizer step was skipped (fp16 inf/nan gradients): leave the LR alone."""
+        return any(opt.step_was_skipped for opt in self.job.optimizers)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        """Backward passes in the block accumulate gradients locally, without communication; the
+        first backward after it reduces everything accumulated (as DDP's ``no_sync``)."""
+        context = getattr(model, "no_sync", None)
+        with context() if context is not None and self.world_size > 1 else contextlib.nullcontext():
+            yield
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Divide fp16 gradients by the loss scale (once per step; clipping does it itself)."""
+        self.job.unscale_gradients()
+
+    # ------------------------------------------------------------------ evaluation across processes
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """``gather`` of per-sample values in the loader's order, each sample once (``xshard.metrics``).
+
+        37 evaluation samples on 2 processes give 37 values, not 38, in the order the loader reads
+        the data set (so they line up with its labels). Non-tensor data (or
+        ``use_gather_object=True``) is gathered as Python objects: a list per process, joined.
+        """
+        if use_gather_object or not metrics.only_tensors(input_data):
+            data = metrics.gather_object(self.backend.collectives, self.device, input_data)
+        else:
+            data = self.gather(input_data)
+        loader = self.job.active_loader()
+        found = loader.real_counts() if loader is not None else None
+        if found is None:
+            return data
+        counts, batch_len = found
+        return metrics.in_loader_order(data, counts, batch_len, self.world_size)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        """Pad tensor(s) along ``dim`` to the largest size on any process, so they can be gathered."""
+        return metrics.pad_across_processes(self.backend.collectives, self.device, tensor, dim, pad_index, pad_first)
+
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Any:
+        """Context manager giving this process its contiguous share of a list, tensor or dict of them."""
+        return metrics.split_between_processes(inputs, self.rank, self.world_size, apply_padding)
+
+    def set_trigger(self) -> None:
+        """Raise a flag on this process that ``check_trigger`` sees on every process."""
+        self._flag = torch.ones((), device=self.device)
+
+    def check_trigger(self) -> bool:
+        """True on every process when any process called ``set_trigger`` (then the flag is lowered)."""
+        flag = self._flag if self._flag is not None else torch.zeros((), device=self.device)
+        raised = bool(self.reduce(flag, "sum").item() >= 1)
+        if raised:
+            self._flag = None
+        return raised
+
+    # ------------------------------------------------------------------ which process runs what
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        """Run the block on each node's local rank 0 first, then on the node's other processes."""
+        if not self.is_local_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_local_main_process:
+            self.wait_for_everyone()
+
+    def _only_on(self, run: bool, function: Callable[..., Any] | None) -> Any:
+        def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(fn)
+            def inner(*args: Any, **kwargs: Any) -> Any:
+                return fn(*args, **kwargs) if run else None
+            return inner
+        return decorate if function is None else decorate(function)
+
+    def on_main_process(self, function: Callable[..., Any] | None = None) -> Any:
+        """Decorator: the function runs on global rank 0 only (elsewhere it returns None)."""
+        return self._only_on(self.is_main_process, function)
+
+    def on_local_main_process(self, function: Callable[..., Any] | None = None) -> Any:
+        """Decorator: the function runs on each node's local rank 0 only."""
+        return self._only_on(self.is_local_main_process, function)
+
+    def on_last_process(self, function: Callable[..., Any] | None = None) -> Any:
+        """Decorator: the function runs on the last global rank only."""
+        return self._only_on(self.is_last_process, function)
+
+    def on_process(self, function: Callable[..., Any] | None = None, process_index: int | None = None) -> Any:
+        """Decorator: the function runs on global rank ``process_index`` only."""
+        return self._only_on(self.rank == process_index, function)
+
+    def on_local_process(self, function: Callable[..., Any] | None = None,
+                         local_process_index: int | None = None) -> Any:
+        """Decorator: the function runs on local rank ``local_process_index`` of each node only."""
+        return self._only_on(self.local_rank == local_process_index, function)
+
+    # ------------------------------------------------------------------ experiment tracking
+    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
+                      init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+        """Start the ``log_with`` trackers for run ``project_name`` and record ``config`` (main process)."""
+        if self.is_main_process:
+            self.trackers = tracking.start(self._tracker_choice, project_name, self.logging_dir, config, init_kwargs)
+
+    def log(self, values: dict[str, Any], step: int | None = None,
+            log_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+        """Log ``values`` at ``step`` to every tracker (main process; elsewhere nothing happens)."""
+        for tracker in self.trackers:
+            tracker.log(values, step=step, **(log_kwargs or {}).get(getattr(tracker, "name", ""), {}))
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The running tracker ``name`` (its library's object with ``unwrap``; a do-nothing one off main)."""
+        return tracking.find(self.trackers, name, unwrap)
+
+    def end_training(self) -> None:
+        """Finish the trackers (their files are complete), then leave the process group (``end``)."""
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+        self.end()
+
+    # ------------------------------------------------------------------ saving for other programs
+    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
+        """``torch.save`` on the main process (``safe_serialization``: a safetensors file of tensors)."""
+        if self.is_main_process:
+            saving.save_object(obj, f, safe_serialization)
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The whole model's weights (keys as the user's module), complete on the main process and
+        empty elsewhere; every process must call it (the shards are gathered)."""
+        return self.full_state_dict(model)
+
+    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike,
+                   max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
+        """Write the whole weights as transformers does (``model.safetensors``, or shard files with
+        ``model.safetensors.index.json``; ``xshard.saving``). Every process must call it."""
+        state = self.get_state_dict(model)
+        if self.is_main_process:
+            saving.write_model(state, save_directory, max_shard_size, safe_serialization)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Save and load these objects' ``state_dict()`` with ``save_state`` / ``load_state``."""
+        invalid = [i for i, obj in enumerate(objects)
+                   if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None))]
+        if invalid:
+            names = ", ".join(f"item at index {i} ({type(objects[i]).__name__})" for i in invalid)
+            raise ValueError(f"register_for_checkpointing: every object needs state_dict() and load_state_dict(); "
+                             f"these do not: {names}")
+        self.job.custom_objects.extend(objects)
+
+    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
+        """The loader from batch ``num_batches`` of its current epoch on (``xshard.data``): after
+        ``load_state`` restored that position, nothing more is skipped."""
+        from .data import skip_first_batches
+
+        return skip_first_batches(dataloader, num_batches)
+
+    def free_memory(self, *objects: Any) -> list[Any]:
+        """Forget every prepared object (models' hooks removed), reset the step, collect garbage;
+        returns one None per object (``model, optimizer = accelerator.free_memory(model, optimizer)``)."""
+        from .utils import release_memory
+
+        self._close_models()
+        for kept in (self.job.models, self.job.optimizers, self.job.schedulers, self.job.loaders):
+            kept.clear()
+        self.job.step = self.job.micro_step = 0
+        self.job.sync_gradients = True
+        return release_memory(*objects)
+
+    clear = free_memory
+
     # ------------------------------------------------------------------ models and state
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module inside a prepared model (its parameters hold this rank's shards;
@@ -399,30 +732,53 @@ class Accelerator:
             return model.full_state_dict(rank0_only=True)
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
-    def save_state(self, directory: str | os.PathLike, state_dict_type: str | None = None,
-                   save_total_limit: int | None = None) -> Path:
-        """Save models, optimizers, schedulers, loaders' positions, scaler, RNG and step to ``directory``.
+    def save_state(self, directory: str | os.PathLike | None = None, state_dict_type: str | None = None,
+                   save_total_limit: int | None = None, **kwargs: Any) -> Path:
+        """Save models, optimizers, schedulers, loaders' positions, scaler, RNG, step and the objects
+        given to ``register_for_checkpointing`` to ``directory``.
 
         Atomic: the folder appears complete or not at all. ``state_dict_type`` ("full", "local",
         "sharded"; default: the config's) is described in ``xshard.checkpoint.formats``.
         ``save_total_limit`` keeps only the newest N complete checkpoints in ``directory``'s parent.
-        Every rank must call it. Returns the checkpoint's path.
+        Without ``directory``, a ``ProjectConfiguration(automatic_checkpoint_naming=True)`` names it
+        ``project_dir/checkpoints/checkpoint_<iteration>`` and its ``total_limit`` applies
+        (``xshard.project``). Accelerate's ``safe_serialization`` is accepted (models are always
+        safetensors). Every rank must call it. Returns the checkpoint's path.
         """
         from .checkpoint import save_state
 
-        return save_state(self.job, directory, state_dict_type, save_total_limit)
+        automatic = directory is None
+        if automatic:
+            if not project.enabled(self.project_configuration):
+                raise ValueError("save_state() needs a folder, or ProjectConfiguration(automatic_checkpoint_naming="
+                                 "True, project_dir=...) given to the Accelerator as project_config")
+            directory = project.next_checkpoint(self.project_configuration)
+            if save_total_limit is None:
+                save_total_limit = getattr(self.project_configuration, "total_limit", None)
+        path = save_state(self.job, directory, state_dict_type, save_total_limit)
+        if automatic:
+            self.project_configuration.iteration += 1
+        return path
 
-    def load_state(self, directory: str | os.PathLike, resume_from_checkpoint: bool = False) -> Path | None:
+    def load_state(self, directory: str | os.PathLike | None = None, resume_from_checkpoint: bool = False,
+                   **kwargs: Any) -> Path | None:
         """Restore everything ``save_state`` wrote; returns the folder loaded.
 
         With ``resume_from_checkpoint=True``, ``directory`` is the output folder that holds the
         checkpoints: the newest complete one is loaded (incomplete ones are skipped with a warning),
-        and None is returned when there is none yet. A "sharded" checkpoint loads on any world size
-        and stage; "full" and "local" ones need the same world size and stage. A bad checkpoint
-        raises ``xshard.checkpoint.CheckpointError`` naming the file and key, and changes nothing.
+        and None is returned when there is none yet. Without ``directory``, the newest automatic
+        checkpoint of the project is loaded (see ``save_state``). A "sharded" checkpoint loads on any
+        world size and stage; "full" and "local" ones need the same world size and stage. A bad
+        checkpoint raises ``xshard.checkpoint.CheckpointError`` naming the file and key, and changes
+        nothing.
         """
         from .checkpoint import load_state, resume
 
+        if directory is None:
+            if not project.enabled(self.project_configuration):
+                raise ValueError("load_state() needs a folder, or automatic checkpoint naming (ProjectConfiguration("
+                                 "automatic_checkpoint_naming=True, project_dir=...))")
+            directory = project.latest(self.project_configuration)
         if resume_from_checkpoint:
             return resume(self.job, directory)
         return load_state(self.job, directory)
@@ -461,13 +817,3 @@ def _owns(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
 
 def _is_prepared(obj: Any) -> bool:
     return isinstance(obj, (PreparedOptimizer, PreparedScheduler, ShardedDataLoader))
-
-
-def _map_tensors(data: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(data, torch.Tensor):
-        return fn(data)
-    if isinstance(data, dict):
-        return {k: _map_tensors(v, fn) for k, v in data.items()}
-    if isinstance(data, (list, tuple)):
-        return type(data)(_map_tensors(v, fn) for v in data)
-    raise TypeError(f"expected tensors (or dicts/lists/tuples of them), got {type(data).__name__}")

@@ -14,11 +14,14 @@ rank, collate function, workers) and adds what training needs:
 - the position (epoch and batches consumed) is remembered: ``state_dict()`` / ``load_state_dict()``
   resume mid-epoch without reading the skipped samples again;
 - ``end_of_epoch`` is True while the last batch of an epoch is being used (the Accelerator syncs
-  gradients there even when the accumulation window is not full).
+  gradients there even when the accumulation window is not full);
+- ``real_counts()`` says, for the batch in use, how many of each rank's samples are real rather
+  than the wrap-around repeats that even out the last batch (``gather_for_metrics`` drops those).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -86,6 +89,14 @@ class ShardSampler(Sampler[int]):
         repeats = math.ceil((total - len(order)) / len(order))
         return order + (order * repeats)[: total - len(order)]
 
+    def real_count(self, rank: int, start: int, end: int) -> int:
+        """How many of rank ``rank``'s samples ``start..end-1`` (of its epoch slice) are real, not repeats.
+
+        Local sample ``i`` of rank ``r`` is position ``i * num_replicas + r`` of the padded order; the
+        positions past the dataset's length are the wrap-around repeats.
+        """
+        return sum(1 for i in range(start, end) if i * self.num_replicas + rank < self.length)
+
     def __iter__(self) -> Iterator[int]:
         mine = self.order()[self.rank :: self.num_replicas]
         return iter(mine[self.start :])
@@ -116,10 +127,11 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     return batch
 
 
-def _rebuild(loader: DataLoader, sampler: Sampler[int]) -> DataLoader:
-    """The same DataLoader with ``sampler`` in place of its own (every other setting kept)."""
+def _rebuild(loader: DataLoader, sampler: Sampler[int], batch_size: int | None = None) -> DataLoader:
+    """The same DataLoader with ``sampler`` in place of its own (every other setting kept but the
+    batch size, when one is given)."""
     kwargs: dict[str, Any] = {
-        "batch_size": loader.batch_size,
+        "batch_size": loader.batch_size if batch_size is None else batch_size,
         "sampler": sampler,
         "num_workers": loader.num_workers,
         "collate_fn": loader.collate_fn,
@@ -149,14 +161,20 @@ class ShardedDataLoader:
         device: torch.device,
         sampler: ShardSampler | None,
         wrap: Callable[[Any], Any] = lambda x: x,
+        non_blocking: bool | None = None,
     ) -> None:
         self.loader = loader
         self.device = device
         self.sampler = sampler
         self._wrap = wrap
+        self._non_blocking = non_blocking
         self.epoch = 0
         self.batches_consumed = 0
         self.end_of_epoch = False
+        #: True between the first and the last batch of a pass; ``iteration_order`` orders the
+        #: passes of all loaders, so the one started last is the one being used (nested loops)
+        self.in_iteration = False
+        self.iteration_order = 0
 
     @property
     def dataset(self) -> Any:
@@ -190,33 +208,85 @@ class ShardedDataLoader:
         self.epoch = int(state["epoch"])
         self.batches_consumed = int(state["batches_consumed"])
 
+    def real_counts(self) -> tuple[list[int], int] | None:
+        """(per rank, the real samples of the batch in use; the batch's samples per rank): the others
+        repeat samples to even out the last batch. None when the loader is not sharded by index."""
+        if self.sampler is None or not self.in_iteration or self.batches_consumed == 0:
+            return None
+        size = self.loader.batch_size or 1
+        start = (self.batches_consumed - 1) * size
+        end = min(start + size, self.sampler.num_samples)
+        return [self.sampler.real_count(r, start, end) for r in range(self.sampler.num_replicas)], end - start
+
+    def skip_first_batches(self, num_batches: int) -> Iterator[Any]:
+        """Iterate the current epoch from batch ``num_batches`` (counted from the epoch's start).
+
+        The position is absolute, so skipping to where ``load_state`` already resumed skips nothing
+        more.
+        """
+        return _SkipFirst(self, num_batches)
+
     def __iter__(self) -> Iterator[Any]:
         if self.sampler is not None:
             self.sampler.set_epoch(self.epoch)
             self.sampler.start = self.batches_consumed * (self.loader.batch_size or 1)
         self.end_of_epoch = False
         source = iter(self._wrap(self.loader))
-        non_blocking = bool(self.loader.pin_memory)
+        non_blocking = bool(self.loader.pin_memory) if self._non_blocking is None else self._non_blocking
+        global _ITERATIONS
+        _ITERATIONS += 1
+        self.iteration_order = _ITERATIONS
         # Look one batch ahead so the last batch is known while it is in use.
         try:
             upcoming = next(source)
         except StopIteration:
             upcoming = _EXHAUSTED
-        while upcoming is not _EXHAUSTED:
-            current = upcoming
-            try:
-                upcoming = next(source)
-            except StopIteration:
-                upcoming = _EXHAUSTED
-                self.end_of_epoch = True
-            self.batches_consumed += 1
-            yield move_to_device(current, self.device, non_blocking)
+        self.in_iteration = upcoming is not _EXHAUSTED
+        try:
+            while upcoming is not _EXHAUSTED:
+                current = upcoming
+                try:
+                    upcoming = next(source)
+                except StopIteration:
+                    upcoming = _EXHAUSTED
+                    self.end_of_epoch = True
+                self.batches_consumed += 1
+                yield move_to_device(current, self.device, non_blocking)
+        finally:  # also when the loop breaks out early
+            self.in_iteration = False
         self.epoch += 1
         self.batches_consumed = 0
         self.end_of_epoch = False
 
 
 _EXHAUSTED = object()
+_ITERATIONS = 0
+
+
+class _SkipFirst:
+    """``ShardedDataLoader.skip_first_batches``: one pass that starts at a given batch."""
+
+    def __init__(self, loader: ShardedDataLoader, num_batches: int) -> None:
+        self.loader = loader
+        self.num_batches = int(num_batches)
+
+    def __len__(self) -> int:
+        return max(0, len(self.loader) - self.num_batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.loader.batches_consumed = max(self.loader.batches_consumed, self.num_batches)
+        return iter(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)
+
+
+def skip_first_batches(loader: Any, num_batches: int) -> Any:
+    """``loader`` from batch ``num_batches`` on: a prepared loader resumes there; any other
+    iterable skips that many batches of its next pass."""
+    if isinstance(loader, ShardedDataLoader):
+        return loader.skip_first_batches(num_batches)
+    return itertools.islice(loader, int(num_batches), None)
 
 
 def shard_data_loader(
@@ -227,13 +297,17 @@ def shard_data_loader(
     seed: int = 0,
     wrap: Callable[[Any], Any] = lambda x: x,
     shard: bool = True,
+    split_batches: bool = False,
+    non_blocking: bool | None = None,
 ) -> ShardedDataLoader:
     """Give ``loader`` a ``ShardSampler`` for this rank and device placement.
 
     The sampler shuffles (with ``seed``) when the loader's sampler is a ``RandomSampler`` (i.e.
     ``shuffle=True``) and keeps the dataset order otherwise. ``loader.batch_size`` is per rank.
     ``wrap`` is the backend's ``wrap_dataloader`` (XLA's MpDeviceLoader). ``shard=False`` only
-    places batches (for a loader the caller already sharded).
+    places batches (for a loader the caller already sharded). ``split_batches``: ``batch_size`` is
+    the global batch, and each rank takes ``batch_size / num_replicas`` of it (Accelerate's
+    ``split_batches``; batch ``k`` of every rank together is batch ``k`` of the whole loader).
     """
     if not shard or isinstance(loader.dataset, IterableDataset):
         if shard and num_replicas > 1:
@@ -241,7 +315,7 @@ def shard_data_loader(
                 "an IterableDataset cannot be split by index: every rank reads the whole stream unless the "
                 "dataset itself reads RANK and WORLD_SIZE and yields only its share"
             )
-        return ShardedDataLoader(loader, device, None, wrap)
+        return ShardedDataLoader(loader, device, None, wrap, non_blocking)
     if loader.batch_size is None:
         raise ValueError(
             "prepare() cannot shard a DataLoader built with a custom batch_sampler: build it with "
@@ -261,8 +335,16 @@ def shard_data_loader(
             "prepare() cannot shard a RandomSampler with replacement=True or num_samples set: use "
             "shuffle=True, or shard the loader yourself and pass it with shard=False"
         )
+    batch_size = loader.batch_size
+    if split_batches:
+        if batch_size % num_replicas:
+            raise ValueError(
+                f"split_batches=True: the DataLoader's batch_size ({batch_size}) is the global batch and must be a "
+                f"multiple of the number of processes ({num_replicas}); change batch_size or the process count"
+            )
+        batch_size //= num_replicas
     sampler = ShardSampler(
         len(loader.dataset), num_replicas=num_replicas, rank=rank,
         shuffle=isinstance(loader.sampler, RandomSampler), seed=seed, drop_last=loader.drop_last,
     )
-    return ShardedDataLoader(_rebuild(loader, sampler), device, sampler, wrap)
+    return ShardedDataLoader(_rebuild(loader, sampler, batch_size), device, sampler, wrap, non_blocking)

@@ -38,6 +38,11 @@ class JobState:
         micro_step: micro-steps done in the current accumulation window.
         sync_gradients: True on micro-steps that end the window.
         clipped: the loop clipped the gradients in the current step.
+        adjust_scheduler, sync_with_dataloader, sync_each_batch: Accelerate's accumulation
+            settings (``xshard.utils.GradientAccumulationPlugin``).
+        split_batches: a loader's batch size is the global batch (divided over the processes).
+        step_scheduler_with_optimizer: prepared schedulers follow the optimizer (Accelerate's rule).
+        custom_objects: objects registered for checkpointing (``state_dict``/``load_state_dict``).
     """
 
     backend: Backend
@@ -53,6 +58,12 @@ class JobState:
     micro_step: int = 0
     sync_gradients: bool = True
     clipped: bool = False
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+    split_batches: bool = False
+    step_scheduler_with_optimizer: bool = True
+    custom_objects: list[Any] = field(default_factory=list)
 
     # ------------------------------------------------------------------ the world
     @property
@@ -85,8 +96,13 @@ class JobState:
         return self.sync_gradients
 
     def end_of_epoch(self) -> bool:
-        """Is a prepared data loader handing out the last batch of its epoch?"""
-        return any(loader.end_of_epoch for loader in self.loaders)
+        """Is a prepared data loader handing out the last batch of its epoch (when that closes windows)?"""
+        return self.sync_with_dataloader and any(loader.end_of_epoch for loader in self.loaders)
+
+    def active_loader(self) -> Any:
+        """The prepared data loader being iterated (the most recently started one), or None."""
+        running = [loader for loader in self.loaders if loader.in_iteration]
+        return max(running, key=lambda loader: loader.iteration_order) if running else None
 
     def finish_optimizer_step(self) -> None:
         """A prepared optimizer really stepped: count it and open a new step."""

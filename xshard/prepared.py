@@ -8,7 +8,18 @@ its state to the user's optimizer and changes only when things happen:
 - ``step()`` clips to the job's ``gradient_clipping`` if the loop did not clip in this step, then
   steps through the backend (``Backend.optimizer_step``: never a second gradient reduction; XLA ends
   the graph there) and, for fp16, through the grad scaler (a step with inf/nan gradients is skipped);
-- ``stepped`` tells the scheduler whether the parameters really changed.
+- ``step_was_skipped`` is True after an fp16 step skipped for inf/nan gradients.
+
+``PreparedScheduler`` steps as Accelerate's ``AcceleratedScheduler`` does, so a schedule tuned for an
+Accelerate script gives the same learning rates here:
+
+- at the end of an accumulation window only (inside it, a call only counts in ``_step_count`` when
+  ``adjust_scheduler``, which keeps torch from warning about the call order);
+- never after a skipped fp16 step;
+- ``num_processes`` times per optimizer step, because each optimizer step consumed ``num_processes``
+  loader batches (a schedule written in batches of one process stays right at any process count),
+  except with ``split_batches`` (the loader's batch already is the global batch: once);
+- with ``step_scheduler_with_optimizer=False`` on every call, whatever the optimizer did.
 
 Both receive the job's ``JobState`` explicitly; neither knows the Accelerator.
 """
@@ -54,6 +65,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.job = job
         self.model = model
         self.stepped = False
+        self.step_was_skipped = False
         self._stepper = _BackendStepper(optimizer, job.backend)
         self._unscaled = False
 
@@ -126,6 +138,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
             # The scale only shrinks when the step was skipped for inf/nan gradients.
             self.stepped = scaler.get_scale() >= before
             self._unscaled = False
+        self.step_was_skipped = not self.stepped
         job.finish_optimizer_step()
 
     def __repr__(self) -> str:
@@ -133,21 +146,38 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
 
 class PreparedScheduler:
-    """An LR scheduler that steps once per real optimizer step."""
+    """An LR scheduler stepped by Accelerate's rule (see the module docstring)."""
 
-    def __init__(self, scheduler: Any, optimizer: PreparedOptimizer | None) -> None:
+    def __init__(self, scheduler: Any, optimizers: list[PreparedOptimizer], job: JobState) -> None:
         self.scheduler = scheduler
-        self.optimizer = optimizer
+        #: the prepared optimizers this schedule follows (its own, else every prepared one)
+        self.optimizers = optimizers
+        self.job = job
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        """Advance the schedule if the optimizer stepped (not in accumulation, not on a skipped fp16 step)."""
-        if self.optimizer is None or self.optimizer.stepped:
+        """Advance the schedule as Accelerate's ``AcceleratedScheduler.step`` does."""
+        job = self.job
+        if not job.step_scheduler_with_optimizer:
             self.scheduler.step(*args, **kwargs)
-            if self.optimizer is not None:
-                self.optimizer.stepped = False  # one scheduler step per optimizer step
+            return
+        if not job.sync_gradients:
+            if job.adjust_scheduler:
+                self.scheduler._step_count += 1
+            return
+        if any(opt.step_was_skipped for opt in self.optimizers):
+            return
+        for _ in range(1 if job.split_batches else job.world_size):
+            # OneCycleLR raises past its total_steps (a last partial window can get there)
+            total = getattr(self.scheduler, "total_steps", None)
+            if total is not None and self.scheduler._step_count > total:
+                break
+            self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:
         return self.scheduler.get_last_lr()
+
+    def get_lr(self) -> list[float]:
+        return self.scheduler.get_lr()
 
     def state_dict(self) -> dict[str, Any]:
         return self.scheduler.state_dict()

@@ -130,7 +130,9 @@ def train(args: FinetuneArguments) -> int:
     overrides: dict[str, Any] = {"mixed_precision": precision}
     if args.gradient_checkpointing:
         overrides["activation_checkpointing"] = True
-    acc = xshard.Accelerator(config=config, seed=args.seed, **overrides)
+    # The HF Trainer's schedule: one step per optimizer step, whatever the process count (its loop
+    # steps the scheduler itself, after each real optimizer step).
+    acc = xshard.Accelerator(config=config, seed=args.seed, step_scheduler_with_optimizer=False, **overrides)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     data_path = Path(args.data_path) if args.data_path else DEFAULT_DATA
 
@@ -178,7 +180,8 @@ def train(args: FinetuneArguments) -> int:
                 if acc.sync_gradients and acc.gradient_clipping > 0:
                     grad_norm = acc.clip_grad_norm_(model.parameters(), acc.gradient_clipping)
                 optimizer.step()
-                scheduler.step()
+                if acc.sync_gradients and not acc.optimizer_step_was_skipped:
+                    scheduler.step()
                 optimizer.zero_grad()
             stats = acc.reduce({"loss": loss.detach().float(),
                                 "tokens": batch["attention_mask"].sum().float()}, reduction="sum")

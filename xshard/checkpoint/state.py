@@ -10,6 +10,7 @@ A checkpoint folder holds:
     scheduler.pt data.pt         LR schedulers, data loaders' positions (epoch, batches consumed)
     scaler.pt                    fp16 grad scaler (when there is one)
     rng.rank{R}.pt               python, numpy, torch and device RNG states of rank R
+    custom_checkpoint_{i}.pt     ``state_dict()`` of each object given to ``register_for_checkpointing``
     config.json                  the first model's own config, when it has ``config.to_json_string``
                                  (a transformers model): ``xshard consolidate`` then writes a
                                  ``from_pretrained`` folder
@@ -158,6 +159,7 @@ def save_state(job: JobState, directory: str | os.PathLike, state_dict_type: str
         writer.torch("data.pt", [d.state_dict() for d in job.loaders])
         if job.scaler is not None:
             writer.torch("scaler.pt", job.scaler.state_dict())
+        _write_custom(job, writer)
         config_json = _model_config(models[0]) if models else None
         if config_json is not None:
             writer.text("config.json", config_json)
@@ -229,6 +231,7 @@ def _read_everything(job: JobState, root: Path) -> dict[str, Any]:
     plan["schedulers"] = load_torch(root, "scheduler.pt", manifest)
     plan["data"] = load_torch(root, "data.pt", manifest)
     plan["scaler"] = load_torch(root, "scaler.pt", manifest) if job.scaler is not None else None
+    plan["custom"] = _read_custom(job, root, manifest)
     rng_name = f"rng.rank{job.rank}.pt"
     # A different world size: ranks without their own RNG file take rank 0's (and say so).
     plan["rng"] = load_torch(root, rng_name if rng_name in manifest["files"] else "rng.rank0.pt", manifest)
@@ -283,6 +286,8 @@ def load_state(job: JobState, directory: str | os.PathLike) -> Path:
         loader.load_state_dict(state)
     if job.scaler is not None:
         job.scaler.load_state_dict(plan["scaler"])
+    for obj, state in zip(job.custom_objects, plan["custom"], strict=True):
+        obj.load_state_dict(state)
     _set_rng_state(job, plan["rng"])
     manifest = plan["manifest"]
     job.micro_step = int(manifest.get("micro_step", 0))
@@ -290,6 +295,27 @@ def load_state(job: JobState, directory: str | os.PathLike) -> Path:
     job.barrier()
     log.info("resumed from %s (step %d)", root, job.step)
     return root
+
+
+def _custom_name(index: int) -> str:
+    return f"custom_checkpoint_{index}.pt"
+
+
+def _write_custom(job: JobState, writer: FileWriter) -> None:
+    """Registered objects' ``state_dict()`` (main process; loaded back with ``weights_only=True``)."""
+    for i, obj in enumerate(job.custom_objects):
+        writer.torch(_custom_name(i), obj.state_dict())
+
+
+def _read_custom(job: JobState, root: Path, manifest: dict[str, Any]) -> list[Any]:
+    """The registered objects' states; the checkpoint must hold one per registered object."""
+    saved = sum(1 for name in manifest.get("files", {}) if name.startswith("custom_checkpoint_"))
+    if saved != len(job.custom_objects):
+        raise CheckpointMismatchError(
+            f"{root}: the checkpoint holds {saved} object(s) registered for checkpointing but this job registered "
+            f"{len(job.custom_objects)}: call accelerator.register_for_checkpointing(...) with the same objects "
+            "before load_state")
+    return [load_torch(root, _custom_name(i), manifest) for i in range(saved)]
 
 
 def resume(job: JobState, output_dir: str | os.PathLike) -> Path | None:

@@ -25,6 +25,10 @@ bf16.enabled / fp16.enabled          bf16 / fp16
 
 Any other ``"auto"`` is left for the reader: on a key xshard ignores it means "let the framework
 choose" (and xshard does); on a key xshard maps it is invalid.
+
+A script argument whose value is ``LATER`` is known only at run time (the Accelerator gives the
+micro-batch this way: it is the batch size of the data loader it prepares): its ``"auto"`` keys
+are left out of the result, and filled when the value is known.
 """
 
 from __future__ import annotations
@@ -39,6 +43,15 @@ from xshard.config.values import XShardConfigError, is_auto
 
 class _Missing(Exception):
     pass
+
+
+class _Later:
+    def __repr__(self) -> str:
+        return "LATER"
+
+
+#: a script argument's value that is known only at run time (see the module docstring)
+LATER: Any = _Later()
 
 
 class ScriptArgs:
@@ -112,7 +125,7 @@ def _batch(args: ScriptArgs, data: dict) -> int | None:
     numbers = [world, micro, accum]
     if all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):
         return world * micro * accum
-    return None
+    return LATER if micro is None else None
 
 
 # key path -> (what provides it, how to compute it); train_batch_size is resolved last, from the rest
@@ -162,7 +175,11 @@ def resolve_auto(data: Mapping[str, Any], script_args: Any = None,
         if slot is None or not is_auto(slot[key]):
             continue
         try:
-            slot[key] = compute(args, out)
+            value = compute(args, out)
+            if value is LATER:
+                del slot[key]
+            else:
+                slot[key] = value
         except _Missing:
             missing.append(f"{path} <- {provider}")
         except (TypeError, ValueError, OverflowError) as exc:

@@ -188,6 +188,19 @@ class ShardedModel(nn.Module):
         super().zero_grad(set_to_none=set_to_none)
         self._engine.zero_grad()
 
+    def local_gradients(self, params: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The gradients this rank holds now for ``params`` (default: all), before any reduce.
+
+        Inside an accumulation window (``no_sync``) stages 1-3 keep each unit's full local gradients
+        beside the shards; stage 0 keeps them in ``param.grad``. Parameters without one are left out.
+        """
+        wanted = None if params is None else {id(p) for p in params}
+        if not self.units:
+            return [p.grad for p in dict.fromkeys(self.module.parameters())
+                    if p.grad is not None and (wanted is None or id(p) in wanted)]
+        return [sp.full.grad for unit in self.units for sp in unit.params
+                if sp.full.grad is not None and (wanted is None or id(sp.user) in wanted)]
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by their global norm over all ranks' shards; every rank returns the same norm."""
         return clip_grad_norm_(

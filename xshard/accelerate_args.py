@@ -1,0 +1,292 @@
+"""Accelerate's constructor arguments, read for ``xshard.Accelerator``.
+
+``read_accelerate_args(kwargs)`` takes Accelerate's keyword arguments out of the Accelerator's
+``**kwargs`` (what is left are xshard config fields) and says what each one means here:
+
+- config fields: ``mixed_precision`` (and the old ``fp16=True``), ``gradient_accumulation_steps`` /
+  ``gradient_accumulation_plugin.num_steps``, ``fsdp_plugin`` and ``deepspeed_plugin`` fields, the
+  bucket size of ``DistributedDataParallelKwargs``;
+- job settings: ``cpu`` (the cpu backend), ``split_batches`` / ``dataloader_config``,
+  ``step_scheduler_with_optimizer``, the accumulation plugin's flags, ``log_with``,
+  ``project_dir`` / ``project_config``, the timeout of ``InitProcessGroupKwargs``,
+  ``GradScalerKwargs``, ``AutocastKwargs(enabled=...)``;
+- everything with no meaning in xshard (``dynamo_backend``, ``megatron_lm_plugin``,
+  ``even_batches=False`` ...) is listed in ``ignored`` and named in ONE warning by the Accelerator.
+
+Accelerate's own objects (``accelerate.utils.ProjectConfiguration`` ...) and xshard's classes of the
+same names (``xshard.utils``) are both accepted: their fields are read by name.
+
+``config_origin(source)`` tells whether the job's config came from DeepSpeed (a ds_config, an
+accelerate yaml with ``distributed_type: DEEPSPEED``), so that ``accelerator.state`` reports what
+Accelerate would.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from .config.values import Reading, parse_bool, parse_choice, parse_float, parse_int, parse_stage
+
+#: Accelerate's constructor arguments (taken out of ``**kwargs``; the rest are xshard config fields)
+ACCELERATE_ARGS = (
+    "device_placement", "split_batches", "mixed_precision", "gradient_accumulation_steps", "cpu",
+    "dataloader_config", "deepspeed_plugin", "fsdp_plugin", "torch_tp_plugin", "megatron_lm_plugin",
+    "rng_types", "log_with", "project_dir", "project_config", "gradient_accumulation_plugin",
+    "step_scheduler_with_optimizer", "kwargs_handlers", "dynamo_backend", "dynamo_plugin", "deepspeed_plugins",
+    "parallelism_config", "fp16",
+)
+_NOTHING = (None, False)
+
+
+@dataclass
+class AccelerateSettings:
+    """What Accelerate's arguments ask of an xshard job."""
+
+    overrides: dict[str, Any] = field(default_factory=dict)  # xshard config fields
+    backend: str | None = None
+    timeout: datetime.timedelta | None = None
+    split_batches: bool = False
+    data_seed: int | None = None
+    non_blocking: bool | None = None
+    step_scheduler_with_optimizer: bool = True
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+    log_with: list[Any] = field(default_factory=list)
+    project: Any = None
+    scaler_kwargs: dict[str, Any] = field(default_factory=dict)
+    autocast_enabled: bool = True
+    #: a ds_config (path, dict) from ``deepspeed_plugin.hf_ds_config``: the config when none is given
+    ds_config: Any = None
+    #: values for the ds_config's ``"auto"`` entries, in the HF Trainer's argument names
+    script_args: dict[str, Any] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)
+
+
+def _name(value: Any) -> Any:
+    """torch and Accelerate enums by their name; everything else as it is."""
+    return value.name if isinstance(value, Enum) else value
+
+
+def _kind(obj: Any) -> str:
+    return type(obj).__name__
+
+
+def read_accelerate_args(kwargs: dict[str, Any]) -> AccelerateSettings:
+    """Pop Accelerate's arguments from ``kwargs`` and read them (see the module docstring)."""
+    args = {name: kwargs.pop(name) for name in ACCELERATE_ARGS if name in kwargs}
+    out = AccelerateSettings()
+    ignored = out.ignored
+
+    precision = args.get("mixed_precision")
+    if args.get("fp16"):
+        precision = precision or "fp16"
+    if precision is not None:
+        out.overrides["mixed_precision"] = _name(precision)
+    accumulation = args.get("gradient_accumulation_steps")
+    plugin = args.get("gradient_accumulation_plugin")
+    if plugin is not None:
+        if accumulation not in (None, 1):
+            raise ValueError("pass one of gradient_accumulation_steps and gradient_accumulation_plugin, not both")
+        accumulation = getattr(plugin, "num_steps", None)
+        out.adjust_scheduler = bool(getattr(plugin, "adjust_scheduler", True))
+        out.sync_with_dataloader = bool(getattr(plugin, "sync_with_dataloader", True))
+        out.sync_each_batch = bool(getattr(plugin, "sync_each_batch", False))
+    if accumulation is not None:
+        out.overrides["gradient_accumulation_steps"] = parse_int("gradient_accumulation_steps", accumulation, 1)
+    out.script_args["gradient_accumulation_steps"] = out.overrides.get("gradient_accumulation_steps", 1)
+    if args.get("cpu"):
+        out.backend = "cpu"
+    out.step_scheduler_with_optimizer = bool(args.get("step_scheduler_with_optimizer", True))
+    out.split_batches = bool(args.get("split_batches", False))
+    _dataloader_config(args.get("dataloader_config"), out)
+    if args.get("device_placement", True) is False:
+        ignored.append("device_placement=False (prepared loaders always place batches on the device)")
+    rng = args.get("rng_types")
+    if rng is not None and [str(_name(r)).lower() for r in rng] != ["generator"]:
+        ignored.append(f"rng_types={rng!r} (every rank's shuffle comes from one seed; no RNG is synchronised)")
+    log_with = args.get("log_with")
+    if log_with is not None:
+        out.log_with = list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
+    out.project = _project(args.get("project_config"), args.get("project_dir"), ignored)
+    for handler in args.get("kwargs_handlers") or ():
+        _handler(handler, out)
+    _fsdp_plugin(args.get("fsdp_plugin"), out)
+    _deepspeed_plugin(args.get("deepspeed_plugin"), out)
+    dynamo = args.get("dynamo_backend")
+    if dynamo is not None and str(_name(dynamo)).lower() != "no":
+        ignored.append(f"dynamo_backend={_name(dynamo)!r} (compile the model yourself with torch.compile)")
+    dynamo_plugin = args.get("dynamo_plugin")
+    if dynamo_plugin is not None and str(_name(getattr(dynamo_plugin, "backend", "no"))).lower() != "no":
+        ignored.append("dynamo_plugin (compile the model yourself with torch.compile)")
+    for name in ("torch_tp_plugin", "megatron_lm_plugin", "parallelism_config", "deepspeed_plugins"):
+        if args.get(name) is not None:
+            ignored.append(f"{name} (xshard shards data-parallel only)")
+    return out
+
+
+def _dataloader_config(config: Any, out: AccelerateSettings) -> None:
+    if config is None:
+        return
+    out.split_batches = out.split_batches or bool(getattr(config, "split_batches", False))
+    if getattr(config, "even_batches", True) is False:
+        out.ignored.append("dataloader_config.even_batches=False (xshard evens the last batch by repeating samples; "
+                           "gather_for_metrics drops the repeats)")
+    if getattr(config, "dispatch_batches", None):
+        out.ignored.append("dataloader_config.dispatch_batches=True (every rank reads its own samples)")
+    seed = getattr(config, "data_seed", None)
+    if seed is not None:
+        out.data_seed = parse_int("dataloader_config.data_seed", seed, 0)
+    if getattr(config, "non_blocking", False):
+        out.non_blocking = True
+
+
+def _project(config: Any, project_dir: Any, ignored: list[str]) -> Any:
+    from .utils import ProjectConfiguration
+
+    project = config if config is not None else ProjectConfiguration(project_dir=None)
+    if project_dir is not None and getattr(project, "project_dir", None) is None:
+        project.set_directories(os.fspath(project_dir))
+    if getattr(project, "save_on_each_node", False):
+        ignored.append("project_config.save_on_each_node=True (xshard writes once per job: use a shared filesystem)")
+    return project
+
+
+def _handler(handler: Any, out: AccelerateSettings) -> None:
+    kind = _kind(handler)
+    if kind == "InitProcessGroupKwargs":
+        timeout = getattr(handler, "timeout", None)
+        if timeout is not None:
+            out.timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
+        if getattr(handler, "init_method", None) is not None:
+            out.ignored.append("InitProcessGroupKwargs.init_method (xshard uses torchrun's variables)")
+    elif kind == "GradScalerKwargs":
+        for name, default in (("init_scale", 65536.0), ("growth_factor", 2.0), ("backoff_factor", 0.5),
+                              ("growth_interval", 2000), ("enabled", True)):
+            value = getattr(handler, name, default)
+            if value != default:
+                out.scaler_kwargs[name] = value
+    elif kind == "DistributedDataParallelKwargs":
+        bucket = getattr(handler, "bucket_cap_mb", 25)
+        if bucket != 25:
+            out.overrides["bucket_size_mb"] = parse_float("DistributedDataParallelKwargs.bucket_cap_mb", bucket, 0.0)
+        # find_unused_parameters: xshard needs no flag for parameters without gradients
+        for name, default in (("broadcast_buffers", True), ("static_graph", False), ("check_reduction", False)):
+            if getattr(handler, name, default) != default:
+                out.ignored.append(f"DistributedDataParallelKwargs.{name}")
+    elif kind == "AutocastKwargs":
+        out.autocast_enabled = bool(getattr(handler, "enabled", True))
+        if getattr(handler, "cache_enabled", None) is not None:
+            out.ignored.append("AutocastKwargs.cache_enabled")
+    else:
+        out.ignored.append(f"kwargs_handlers {kind} (no xshard equivalent)")
+
+
+# FullyShardedDataParallelPlugin field -> the key xshard's FSDP option reader takes
+_FSDP_FIELDS = ("sharding_strategy", "reshard_after_forward", "backward_prefetch", "auto_wrap_policy",
+                "state_dict_type", "sync_module_states", "forward_prefetch", "activation_checkpointing",
+                "transformer_cls_names_to_wrap", "min_num_params", "use_orig_params", "limit_all_gathers",
+                "cpu_ram_efficient_loading")
+
+
+def _fsdp_plugin(plugin: Any, out: AccelerateSettings) -> None:
+    """Map a FullyShardedDataParallelPlugin's fields onto config fields (as the accelerate yaml's)."""
+    if plugin is None:
+        return
+    from .config.fsdp import read_fsdp_options
+
+    options: dict[str, Any] = {}
+    for name in _FSDP_FIELDS:
+        value = _name(getattr(plugin, name, None))
+        if value is None or (name == "auto_wrap_policy" and callable(value)):
+            continue  # a policy function: units follow transformer_cls_names_to_wrap / _no_split_modules
+        options[name] = value
+    offload = getattr(plugin, "cpu_offload", None)
+    if offload is not None:
+        options["offload_params"] = bool(getattr(offload, "offload_params", offload))
+    reading = Reading("fsdp_plugin")
+    read_fsdp_options(reading, options, "fsdp_plugin", numeric=True)
+    out.overrides.update(reading.values)
+    out.ignored.extend(reading.ignored)
+    policy = getattr(plugin, "mixed_precision_policy", None)
+    if policy is not None:
+        dtype = policy.get("param_dtype") if isinstance(policy, Mapping) else getattr(policy, "param_dtype", None)
+        names = {"torch.bfloat16": "bf16", "bf16": "bf16", "torch.float16": "fp16", "fp16": "fp16",
+                 "torch.float32": "no", "fp32": "no"}
+        if str(dtype) in names:
+            out.overrides.setdefault("mixed_precision", names[str(dtype)])
+    if "stage" not in out.overrides:
+        out.overrides["stage"] = 3  # FSDP's default strategy: FULL_SHARD
+
+
+def _deepspeed_plugin(plugin: Any, out: AccelerateSettings) -> None:
+    """A DeepSpeedPlugin: its ds_config is the config; its own fields fill "auto" or override."""
+    if plugin is None:
+        return
+    ds = getattr(plugin, "hf_ds_config", None)
+    ds = getattr(ds, "config", ds)  # Accelerate wraps the dict in an HfDeepSpeedConfig
+    if ds is not None and ds != "none":
+        out.ds_config = ds
+    where = "deepspeed_plugin"
+    stage = getattr(plugin, "zero_stage", None)
+    if stage is not None and out.ds_config is None:
+        out.overrides["stage"] = parse_stage(f"{where}.zero_stage", stage)
+    for name, field_ in (("offload_optimizer_device", "offload_optimizer"), ("offload_param_device", "offload_params")):
+        device = getattr(plugin, name, None)
+        if device is not None and out.ds_config is None:
+            device = parse_choice(f"{where}.{name}", str(device), {"cpu": "cpu", "none": "none"})
+            out.overrides[field_] = device == "cpu"
+    steps = getattr(plugin, "gradient_accumulation_steps", None)
+    if isinstance(steps, int) and not isinstance(steps, bool):
+        out.overrides.setdefault("gradient_accumulation_steps", parse_int(f"{where}.gradient_accumulation_steps",
+                                                                           steps, 1))
+        out.script_args["gradient_accumulation_steps"] = out.overrides["gradient_accumulation_steps"]
+    clip = getattr(plugin, "gradient_clipping", None)
+    if isinstance(clip, (int, float)) and not isinstance(clip, bool):
+        out.script_args["max_grad_norm"] = float(clip)
+        if out.ds_config is None:
+            out.overrides["gradient_clipping"] = float(clip) or None
+    save16 = getattr(plugin, "zero3_save_16bit_model", None)
+    if save16 is not None and out.ds_config is None:
+        out.overrides["state_dict_type"] = "full" if parse_bool(f"{where}.zero3_save_16bit_model", save16) else "sharded"
+
+
+# ---------------------------------------------------------------------- where the config came from
+
+def read_source(source: Any, env: Mapping[str, str]) -> Any:
+    """The data of a config source (a path or a mapping; ``XSHARD_CONFIG`` when None), or None."""
+    from .config.schema import _read_bytes, parse_text
+
+    if source is None:
+        source = env.get("XSHARD_CONFIG") or None
+    if isinstance(source, Mapping):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        return parse_text(_read_bytes(source), os.fspath(source))
+    return None
+
+
+def config_origin(source: Any, env: Mapping[str, str]) -> tuple[str, dict[str, Any] | None]:
+    """("deepspeed", the ds_config as a dict) when ``source`` is DeepSpeed's, else ("xshard", None)."""
+    from .config.deepspeed import MARKERS
+
+    data = read_source(source, env)
+    if not isinstance(data, Mapping):
+        return "xshard", None
+    if str(data.get("distributed_type", "")).upper() == "DEEPSPEED":
+        section = data.get("deepspeed_config") or {}
+        inner = section.get("deepspeed_config_file") if isinstance(section, Mapping) else None
+        if inner and isinstance(source, (str, os.PathLike)):
+            base = Path(source).resolve().parent
+            return "deepspeed", dict(read_source(os.fspath(base / inner), env) or {})
+        return "deepspeed", {"zero_optimization": {"stage": section.get("zero_stage", 2)}} if isinstance(
+            section, Mapping) else {}
+    if set(data) & MARKERS:
+        return "deepspeed", dict(data)
+    return "xshard", None
