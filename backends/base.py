@@ -105,6 +105,7 @@ class Backend:
         self.world = world if world is not None else World.from_env()
         self._collectives: Collectives | None = None
         self._owns_process_group = False
+        self._timeout: datetime.timedelta | None = None
 
     # ------------------------------------------------------------------ probing
     @classmethod
@@ -254,6 +255,7 @@ class Backend:
         """
         self.check_world()
         timeout = _as_timedelta(timeout)
+        self._timeout = timeout
         if self.world.world_size > 1 or self.dist_backend is not None:
             self.set_device()
         if self.world.world_size == 1 or self.dist_backend is None:
@@ -287,6 +289,8 @@ class Backend:
 
     def destroy_process_group(self) -> None:
         """Leave the process group this backend started (no-op otherwise)."""
+        if self._collectives is not None and self._collectives.monitor is not None:
+            self._collectives.monitor.stop()
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_process_group = False
@@ -307,7 +311,9 @@ class Backend:
                 f"{self.name}: WORLD_SIZE={self.world.world_size} but no process group is running: "
                 "call backend.init_process_group() (Accelerator does this) first"
             )
-        return DistCollectives(native_avg=self.native_avg, device=self.device(), **self.collective_options())
+        timeout = self._timeout.total_seconds() if self._timeout is not None else None
+        return DistCollectives(native_avg=self.native_avg, device=self.device(), timeout=timeout,
+                               **self.collective_options())
 
     def collective_options(self) -> dict[str, Any]:
         """Per-backend choices of how DistCollectives implements each operation."""

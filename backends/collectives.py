@@ -41,11 +41,13 @@ import zlib
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveMismatchError
+from .errors import CollectiveMismatchError, CollectiveTimeoutError
+from .monitor import CollectiveMonitor
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -133,19 +135,39 @@ class Handle:
     average, or the copy of this rank's slice out of an all-reduce).
     """
 
-    __slots__ = ("_works", "_finish", "_output", "_done")
+    __slots__ = ("_works", "_finish", "_output", "_done", "_monitor", "_label")
 
     def __init__(self, works: list, output: torch.Tensor | None, finish: Callable[[], None] | None = None):
         self._works = works
         self._finish = finish
         self._output = output
         self._done = False
+        self._monitor: CollectiveMonitor | None = None
+        self._label: tuple[int, str] = (0, "")
+
+    def watch(self, monitor: CollectiveMonitor | None, number: int, description: str) -> Handle:
+        """Report waits on this handle to ``monitor`` as collective ``number`` (see ``backends.monitor``)."""
+        self._monitor, self._label = monitor, (number, description)
+        return self
 
     def wait(self) -> torch.Tensor | None:
         if not self._done:
-            for w in self._works:
-                if w is not None:
-                    w.wait()
+            monitor = self._monitor
+            if monitor is not None:
+                monitor.waiting(*self._label)
+            try:
+                for w in self._works:
+                    if w is not None:
+                        w.wait()
+            except RuntimeError as exc:  # a timeout, or a peer that died mid-collective
+                if monitor is None:
+                    raise
+                raise CollectiveTimeoutError(
+                    f"{monitor.diagnosis or monitor.diagnose()} (the process group reported: "
+                    f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
+            finally:
+                if monitor is not None:
+                    monitor.done(*self._label)
             if self._finish is not None:
                 self._finish()
             self._done = True
@@ -177,6 +199,10 @@ class Collectives:
     def __init__(self) -> None:
         self.counter = CommCounter()
         self.trace = CollectiveTrace()
+        #: collectives issued by this process, ever (numbers them for the hang diagnosis)
+        self.issued = 0
+        self._label = ""
+        self.monitor: CollectiveMonitor | None = None
 
     # All public methods return a Handle when async_op=True, else None (the work is done). ``tag``
     # names what the call moves, for the collective trace and for error messages.
@@ -266,6 +292,8 @@ class Collectives:
     def _record(self, kind: str, tag: str | None, nbytes: int, numel: int) -> None:
         self.counter.add(kind, nbytes)
         self.trace.record(kind, tag, numel)
+        self.issued += 1
+        self._label = tag or kind
 
     def _pre_average(self, op: str, dtype: torch.dtype, inputs: list[torch.Tensor]) -> tuple[str, float]:
         """The op to issue for ``op`` on ``inputs``, pre-dividing them where ``average_factors`` says;
@@ -290,8 +318,8 @@ class Collectives:
 
         return Handle([handle], outputs, divide)
 
-    @staticmethod
-    def _result(handle: Handle, async_op: bool) -> Handle | None:
+    def _result(self, handle: Handle, async_op: bool) -> Handle | None:
+        handle.watch(self.monitor, self.issued, self._label)
         if async_op:
             return handle
         handle.wait()
@@ -438,6 +466,8 @@ class DistCollectives(Collectives):
         group: the process group (default: the world).
         device: where this process's collective buffers live (the backend's device; NCCL and HCCL
             move device tensors only), for the small control tensors of ``verify_same_collectives``.
+        timeout: the process group's timeout in seconds; when given (and the job has a key-value
+            store), a ``CollectiveMonitor`` diagnoses waits that outlast 90% of it.
     """
 
     def __init__(
@@ -447,6 +477,7 @@ class DistCollectives(Collectives):
         all_gather_via_broadcast: bool = False,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
+        timeout: float | None = None,
     ) -> None:
         super().__init__()
         self.group = group
@@ -459,6 +490,10 @@ class DistCollectives(Collectives):
         self.all_gather_via_broadcast = all_gather_via_broadcast
         self._global_ranks = [dist.get_global_rank(group, r) if group is not None else r
                               for r in range(self.world_size)]
+        if timeout is not None and self.world_size > 1 and group is None and monitor_enabled():
+            store = _job_store()
+            if store is not None:
+                self.monitor = CollectiveMonitor(store, self.rank, self.world_size, deadline=0.9 * timeout)
 
     def _dist_op(self, op: str) -> tuple[dist.ReduceOp, float | None]:
         """The process-group op and the divisor to apply afterwards (SUM-then-divide for AVG)."""
@@ -552,12 +587,10 @@ class DistCollectives(Collectives):
 
     def _explain_mismatch(self) -> str:
         """Exchange the ranks' recent entries through the store and describe the first difference."""
-        from torch.distributed import distributed_c10d
-
         mine = {"count": self.trace.count, "entries": self.trace.numbered()}
         traces: dict[int, dict] = {self.rank: mine}
         try:
-            store = distributed_c10d._get_default_store()
+            store = _job_store()
             key = f"xshard/collective-trace/{self._checks}"
             store.set(f"{key}/{self.rank}", json.dumps(mine))
             for r in range(self.world_size):
@@ -567,6 +600,23 @@ class DistCollectives(Collectives):
             return (f"ranks issued different collectives since the last optimizer step (this rank issued "
                     f"{self.trace.count}; the others' lists could not be read: {exc}). " + _MISMATCH_HINT)
         return describe_mismatch(traces) + " " + _MISMATCH_HINT
+
+
+def monitor_enabled() -> bool:
+    """The hang diagnosis runs unless ``XSHARD_MONITOR=0`` (to measure what it costs)."""
+    import os
+
+    return os.environ.get("XSHARD_MONITOR", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _job_store() -> Any:
+    """The default process group's key-value store (thread-safe), or None where there is none."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:
+        return None
 
 
 _MISMATCH_HINT = (

@@ -36,3 +36,8 @@ class WorldEnvironmentError(XShardError, ValueError):
 
 class CollectiveMismatchError(XShardError, RuntimeError):
     """Ranks issued different collectives (data-dependent control flow across sharded units)."""
+
+
+class CollectiveTimeoutError(XShardError, RuntimeError):
+    """A collective waited past the process-group timeout (or a peer died in it); the message names the
+    ranks that never arrived and where every rank was."""

@@ -82,7 +82,9 @@ class Accelerator:
             rank builds the same initial model) and the data loaders' shuffles (default: the
             config's ``seed``). Without a seed nothing is seeded, the shuffle seed is 0, and
             ``prepare`` broadcasts rank 0's weights so that every rank starts from the same model.
-        timeout: process-group timeout (seconds or a timedelta) for a hung collective.
+        timeout: seconds (or a timedelta) a collective may wait for the other ranks before the job stops
+            with a message naming the ranks that never arrived (default: the config's ``timeout``,
+            30 minutes, ``XSHARD_TIMEOUT``).
         log_level / log_level_replica / log_on_each_node: see ``xshard.log``.
         **overrides: config fields, e.g. ``stage=2, gradient_accumulation_steps=4``, and Accelerate's
             constructor arguments (``mixed_precision``, ``gradient_accumulation_steps``, ``cpu``,
@@ -122,7 +124,7 @@ class Accelerator:
         setup_logging(world.rank, world.local_rank, world.world_size,
                       log_level if log_level is not None else self.config.log_level,  # file < env < argument
                       log_level_replica, log_on_each_node)
-        self.backend.init_process_group(timeout=timeout)
+        self.backend.init_process_group(timeout=timeout if timeout is not None else self.config.timeout)
         self.device: torch.device = self.backend.device()
         log.info("backend %s (%s) on %s, %d process(es)", self.backend.name, selection.reason, self.device,
                  world.world_size)
