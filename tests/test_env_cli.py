@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,25 +59,50 @@ def test_json_report_parses() -> None:
     assert report["versions"]["torch"] == torch.__version__
 
 
-def test_auto_with_a_torch_npu_that_exits_still_reports_cpu() -> None:
-    proc = xshard_env("--json", env={"PYTHONPATH": str(BROKEN_NPU / "exits")})
+def test_auto_with_a_broken_torch_npu_not_autoloaded_still_reports_cpu() -> None:
+    proc = xshard_env("--json", env={"PYTHONPATH": str(BROKEN_NPU / "no_cann"), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     skipped = {s["backend"]: s["reason"] for s in report["skipped"]}
     if report["backend"] == "cpu":  # (the XLA environment would pick xla first)
-        assert "called sys.exit" in skipped["npu"] and "set_env.sh" in skipped["npu"]
+        assert "libhccl.so" in skipped["npu"] and "set_env.sh" in skipped["npu"]
+
+
+def installed_layout(tmp_path: Path) -> Path:
+    """This source tree laid out as its wheel installs it (backends/ inside xshard/)."""
+    shutil.copytree(ROOT / "xshard", tmp_path / "xshard", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "backends", tmp_path / "xshard" / "backends", ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("variant,cause,fix", [
+    ("no_cann", "ImportError: libhccl.so: cannot open shared object file", 'pip install "torch-npu=='),
+    ("cuda_torch", "RuntimeError: Two accelerators cannot be used at the same time", "CPU build of torch"),
+])
+def test_a_broken_torch_npu_that_torch_autoloads_is_explained_in_one_line(tmp_path, variant, cause, fix) -> None:
+    # with torch_npu installed, `import torch` loads it itself: the failure comes before any xshard code
+    path = f"{installed_layout(tmp_path)}{os.pathsep}{BROKEN_NPU / variant}"
+    proc = subprocess.run([sys.executable, "-m", "xshard", "env"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path, "TORCH_DEVICE_BACKEND_AUTOLOAD": "1"}, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    line, = proc.stderr.strip().splitlines()
+    assert line.startswith("xshard: error: import torch failed: torch auto-loads the installed device extension "
+                           "torch_npu, which raised ")
+    assert cause in line and fix in line and "export TORCH_DEVICE_BACKEND_AUTOLOAD=0" in line
 
 
 @pytest.mark.parametrize("args,env,fragments", [
     ((), {"XSHARD_BACKEND": "gpu"}, ("XSHARD_BACKEND='gpu'", "valid values are")),
     (("--backend", "tpu"), {}, ("backend='tpu'", "valid values are")),
     (("--backend", "cuda"), {"XSHARD_BACKEND": "cpu"}, ("backend='cuda'", "XSHARD_BACKEND='cpu'")),
-    ((), {"XSHARD_BACKEND": "npu", "PYTHONPATH": str(BROKEN_NPU / "exits")}, ("called sys.exit", "set_env.sh")),
-    ((), {"XSHARD_BACKEND": "npu", "PYTHONPATH": str(BROKEN_NPU / "no_cann")}, ("libascendcl.so", "set_env.sh")),
+    ((), {"XSHARD_BACKEND": "npu", "PYTHONPATH": str(BROKEN_NPU / "cuda_torch"), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+     ("Two accelerators", "CPU build of torch")),
+    ((), {"XSHARD_BACKEND": "npu", "PYTHONPATH": str(BROKEN_NPU / "no_cann"), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+     ("libhccl.so", "set_env.sh")),
     (("--backend", "cuda"), {}, ("built without CUDA",)),
     (("--devices", "0,-1"), {"XSHARD_BACKEND": "cpu"}, ("-1 is negative",)),
     ((), {"XSHARD_BACKEND": "cpu", "WORLD_SIZE": "two"}, ("WORLD_SIZE='two' is not an integer",)),
-], ids=["unknown-env", "unknown-arg", "conflict", "npu-exits", "npu-no-cann", "cuda-missing", "bad-devices",
+], ids=["unknown-env", "unknown-arg", "conflict", "npu-cuda-torch", "npu-no-cann", "cuda-missing", "bad-devices",
         "bad-world"])
 def test_errors_are_one_line_and_exit_2(args, env, fragments) -> None:
     assert_one_line_error(xshard_env(*args, env=env), *fragments)
@@ -85,7 +111,7 @@ def test_errors_are_one_line_and_exit_2(args, env, fragments) -> None:
 def test_npu_without_torch_npu() -> None:
     proc = xshard_env(env={"XSHARD_BACKEND": "npu"})
     if "torch_npu is installed" not in proc.stderr:  # a machine with a real torch_npu says so instead
-        assert_one_line_error(proc, "torch_npu is not installed", "pip install torch-npu==", "set_env.sh")
+        assert_one_line_error(proc, "torch_npu is not installed", 'pip install "torch-npu==', "set_env.sh")
 
 
 def test_check_passes_on_cpu_with_one_process() -> None:
