@@ -72,11 +72,10 @@ class NPUBackend(Backend):
         if not imported.ok:
             hint = _OTHER_ACCELERATOR_HINT if "Two accelerators" in (imported.error or "") else _CANN_HINT
             return f"torch_npu is installed but cannot load ({imported.error}): " + hint.format(torch=torch_release())
-        npu = getattr(torch, "npu", None)
-        if npu is None:
+        if not hasattr(torch, "npu"):
             return "torch_npu imported but torch.npu is missing: reinstall torch-npu matching torch " + torch_release()
         try:
-            count = int(npu.device_count())
+            count = int(torch.npu.device_count())
         except Exception as exc:  # the driver can fail here even when the import worked
             return f"torch.npu.device_count() failed ({type(exc).__name__}: {exc}): check the driver with npu-smi info"
         if count == 0:
@@ -97,8 +96,7 @@ class NPUBackend(Backend):
         # Never imports torch_npu: if it is not imported, its runtime cannot have started.
         if sys.modules.get("torch_npu") is None:
             return False
-        is_initialized = getattr(getattr(torch, "npu", None), "is_initialized", None)
-        return bool(is_initialized()) if is_initialized is not None else False
+        return bool(torch.npu.is_initialized())
 
     @classmethod
     def format_visible_devices(cls, ids: list[int]) -> str:

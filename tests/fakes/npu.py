@@ -116,8 +116,8 @@ class _Runtime:
 def _index(device: Any, rt: _Runtime) -> int:
     if isinstance(device, torch.device):
         device = device.index
-    elif isinstance(device, str):
-        device = torch.device(device).index
+    elif isinstance(device, str):  # "npu" or "npu:1" (parsed here: torch parses "npu" only once it is named)
+        device = int(device.partition(":")[2]) if ":" in device else None
     if device is None:
         rt.lazy_init("current_device")
         return int(rt.current or 0)
