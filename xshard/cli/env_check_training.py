@@ -188,7 +188,7 @@ def stage3_check(backend: Backend, coll: Collectives, world_size: int, rank: int
     ref_losses = []
     for _ in range(2):
         loss = _loss(reference(x), y)
-        ref_losses.append(float(loss))
+        ref_losses.append(float(loss.detach()))
         reference.zero_grad()
         loss.backward()
         with torch.no_grad():
