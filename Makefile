@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # The CPU build of torch; a plain `pip install torch` would download a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo demo-minimal test lint clean
+.PHONY: install demo demo-minimal test lint clean vendor-wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,9 +34,9 @@ demo: install
 demo-minimal: install
 	$(BIN)/xshard launch --nproc 2 examples/minimal.py
 
-test: install
+test: install vendor-wheels
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(VENDOR_ENV) $(BIN)/python -m pytest -q
 	$(MAKE) --no-print-directory test-xla
 
 lint: install
@@ -44,6 +44,24 @@ lint: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# Conformance (tests/test_vendor_conformance.py): the device layer's vendor calls and the test fakes are
+# checked against the real wheel of the torch-npu release for this torch, read with ast (torch_npu cannot
+# be imported without CANN). Downloaded once (about 45 MB); the Python sources are the same in every
+# platform's wheel, so one fixed platform keeps the file name stable. The tests fail, not skip, under make
+# when the wheel is missing.
+NPU_RELEASE   ?= 2.13.0
+VENDOR_WHEELS := .cache/vendor-wheels
+NPU_WHEEL     := $(VENDOR_WHEELS)/.torch-npu-$(NPU_RELEASE)
+VENDOR_ENV    := XSHARD_VENDOR_WHEELS=$(VENDOR_WHEELS) XSHARD_NPU_RELEASE=$(NPU_RELEASE) XSHARD_REQUIRE_VENDOR_WHEELS=1
+
+$(NPU_WHEEL): | $(VENV)/.installed
+	mkdir -p $(VENDOR_WHEELS)
+	$(BIN)/pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
+	    --platform manylinux_2_28_x86_64 --dest $(VENDOR_WHEELS) "torch-npu==$(NPU_RELEASE)"
+	touch $@
+
+vendor-wheels: $(NPU_WHEEL)
 
 # XLA: real torch_xla on the CPU (PJRT_DEVICE=CPU) in its own environment (.venv-xla), because
 # torch_xla pins the torch release it was built for. Building it takes about 3 minutes and 7 GB.

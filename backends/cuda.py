@@ -1,4 +1,10 @@
-"""CUDA backend: NVIDIA GPUs over NCCL."""
+"""CUDA backend: NVIDIA GPUs over NCCL.
+
+bf16 means the GPU computes in it (compute capability 8.0, Ampere, and newer; any ROCm GPU):
+``torch.cuda.is_bf16_supported()`` defaults to ``including_emulation=True`` (torch 2.9 and 2.13)
+and then answers yes on V100 and T4 too, where bf16 is emulated. It answers for the current device
+and starts CUDA, so it is asked once the process is bound to its own GPU (see ``bound_device``).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import sys
 import torch
 
 from .base import Backend
+from .bound_device import ask_bound_device
 from .vendor import torch_release
 
 
@@ -60,8 +67,9 @@ class CUDABackend(Backend):
         return {"device_id": self.device()}
 
     def supports(self, dtype: torch.dtype) -> bool:
+        """fp32 and fp16 on every GPU; bf16 where the GPU computes in it, never emulated (see above)."""
         if dtype == torch.bfloat16:
-            return bool(torch.cuda.is_bf16_supported())  # Ampere (sm_80) and newer
+            return bool(ask_bound_device(self, lambda: torch.cuda.is_bf16_supported(including_emulation=False)))
         return dtype in (torch.float32, torch.float16)
 
     def describe(self) -> dict:

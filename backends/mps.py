@@ -6,13 +6,13 @@ Facts that shape this class:
 - Ops without an MPS kernel fail unless PYTORCH_ENABLE_MPS_FALLBACK=1 (run them on the CPU). torch
   reads that variable once, when it is imported; so the launcher sets it for the processes it
   starts (``default_env``), and a process that imported torch first is told to export it.
-- fp32 and fp16 always; bf16 needs macOS 14 and torch >= 2.6.
+- fp32 and fp16 always; bf16 needs macOS 14 (asked of torch's MPS runtime; torch >= 2.9 has the kernels).
+- fp16 loss scaling: ``torch.amp.GradScaler("mps")`` (the default ``grad_scaler``).
 """
 
 from __future__ import annotations
 
 import logging
-import platform
 
 import torch
 
@@ -78,8 +78,9 @@ class MPSBackend(Backend):
         """There is one MPS device; nothing to bind."""
 
     def supports(self, dtype: torch.dtype) -> bool:
+        """fp32 and fp16 always; bf16 on macOS 14 and newer (the MPS runtime's own answer)."""
         if dtype == torch.bfloat16:
-            return _macos_major() >= 14 and _torch_at_least(2, 6)
+            return bool(torch.backends.mps.is_macos_or_newer(14, 0))
         return dtype in (torch.float32, torch.float16)
 
     def memory_stats(self) -> dict[str, int]:
@@ -91,18 +92,3 @@ class MPSBackend(Backend):
     def reset_peak_memory_stats(self) -> None:
         self._peak = 0
 
-
-def _macos_major() -> int:
-    release = platform.mac_ver()[0]
-    try:
-        return int(release.split(".")[0]) if release else 0
-    except ValueError:
-        return 0
-
-
-def _torch_at_least(major: int, minor: int) -> bool:
-    parts = torch.__version__.split("+")[0].split(".")
-    try:
-        return (int(parts[0]), int(parts[1])) >= (major, minor)
-    except (IndexError, ValueError):
-        return False

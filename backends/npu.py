@@ -1,15 +1,22 @@
 """NPU backend: Huawei Ascend NPUs through torch_npu, over HCCL.
 
 ``import torch_npu`` adds ``torch.npu`` and registers the "hccl" process-group backend. Facts that
-shape this class:
-- torch_npu must match torch exactly (torch-npu 2.5.1.postN for torch 2.5.1) and needs CANN's
-  libraries on the library path (``source <CANN>/set_env.sh``); without them its import raises
-  ImportError/OSError about libascendcl.so or libhccl.so, or exits the interpreter. torch >= 2.5
-  auto-loads installed device extensions, so that failure can already happen in ``import torch``,
-  before xshard runs; TORCH_DEVICE_BACKEND_AUTOLOAD=0 defers it to the guarded import here.
-- HCCL has no ReduceOp.AVG: averages are a SUM then a divide (``native_avg = False``).
-- ASCEND_RT_VISIBLE_DEVICES must list devices in ascending order.
-- bf16 exists only on newer chips (Atlas A2 / 910B and later): ask ``torch.npu.is_bf16_supported()``.
+shape this class (read from torch_npu's sources, release 2.13.0 for torch 2.13):
+- torch_npu must match torch (torch-npu 2.13.0 or 2.13.0.postN for torch 2.13.0) and needs CANN's
+  libraries on the library path (``source <CANN>/set_env.sh``); without them its ``_C`` extension
+  raises ImportError (``libhccl.so`` / ``libascendcl.so``), and with a CUDA build of torch it raises
+  RuntimeError ("Two accelerators cannot be used at the same time"). torch >= 2.5 auto-loads
+  installed device extensions, so that failure already happens inside ``import torch``, before
+  xshard runs; ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` defers it to the guarded import here.
+- HCCL accepts ReduceOp.AVG: ProcessGroupHCCL runs an HCCL sum and divides by the group size on its
+  own stream (all_reduce, reduce_scatter, _reduce_scatter_base, reduce), so ``native_avg = True``.
+- ASCEND_RT_VISIBLE_DEVICES must list devices in ascending order (torch.npu.device_count() is 0
+  otherwise).
+- bf16 exists only on newer chips (Atlas A2 / 910B and later): ``torch.npu.is_bf16_supported()``
+  answers for the current device and starts the runtime, so it is asked only once the process is
+  bound to its own device (see ``bound_device``).
+- fp16 loss scaling uses torch_npu's own GradScaler: on chips without inf/nan mode (910A class) it
+  clears the global float-status flag in ``scale()``, which torch's generic scaler does not.
 """
 
 from __future__ import annotations
@@ -21,26 +28,35 @@ from typing import Any
 import torch
 
 from .base import Backend, World
+from .bound_device import ask_bound_device
 from .errors import BackendUnavailableError
-from .vendor import import_vendor, torch_release
+from .vendor import AUTOLOAD_ENV, import_vendor, torch_release
 
+#: a pip requirement that matches torch-npu X.Y.Z and its X.Y.Z.postN rebuilds
+_MATCHING_RELEASE = 'pip install "torch-npu=={torch}.*"'
 _CANN_HINT = (
     "set up CANN before starting Python (source <CANN install>/set_env.sh, e.g. "
-    "/usr/local/Ascend/ascend-toolkit/set_env.sh) and check that torch-npu matches torch ({torch})"
+    "/usr/local/Ascend/ascend-toolkit/set_env.sh) and install the torch-npu release matching torch {torch}: "
+    + _MATCHING_RELEASE
+)
+_OTHER_ACCELERATOR_HINT = (
+    "torch_npu needs the CPU build of torch {torch} beside it (pip install torch=={torch} --index-url "
+    "https://download.pytorch.org/whl/cpu); to use this torch's own device instead, export "
+    f"{AUTOLOAD_ENV}=0 so that import torch does not load torch_npu"
 )
 
 
 class NPUBackend(Backend):
-    """Ascend NPUs: one process per NPU, HCCL process group, SUM-then-divide averages."""
+    """Ascend NPUs: one process per NPU, HCCL process group (ReduceOp.AVG included)."""
 
     name = "npu"
     device_type = "npu"
     dist_backend = "hccl"
     visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
-    native_avg = False
+    native_avg = True  # ProcessGroupHCCL: AVG is an HCCL sum, then a divide on its stream
     vendor_module = "torch_npu"
-    install_hint = "pip install torch-npu=={torch} (the release matching torch) and set up CANN (source set_env.sh)"
-    related_env_vars = ("ASCEND_HOME_PATH", "ASCEND_OPP_PATH", "TORCH_DEVICE_BACKEND_AUTOLOAD")
+    install_hint = _MATCHING_RELEASE + " (the release matching torch) and set up CANN (source set_env.sh)"
+    related_env_vars = ("ASCEND_HOME_PATH", "ASCEND_OPP_PATH", AUTOLOAD_ENV)
 
     def __init__(self, world: World | None = None) -> None:
         super().__init__(world)
@@ -54,19 +70,19 @@ class NPUBackend(Backend):
         if imported.missing:
             return "torch_npu is not installed: " + cls.install_hint.format(torch=torch_release())
         if not imported.ok:
-            return f"torch_npu is installed but cannot load ({imported.error}): " + _CANN_HINT.format(
-                torch=torch_release()
-            )
-        npu = getattr(torch, "npu", None)
-        if npu is None:
+            hint = _OTHER_ACCELERATOR_HINT if "Two accelerators" in (imported.error or "") else _CANN_HINT
+            return f"torch_npu is installed but cannot load ({imported.error}): " + hint.format(torch=torch_release())
+        if not hasattr(torch, "npu"):
             return "torch_npu imported but torch.npu is missing: reinstall torch-npu matching torch " + torch_release()
         try:
-            count = int(npu.device_count())
+            count = int(torch.npu.device_count())
         except Exception as exc:  # the driver can fail here even when the import worked
             return f"torch.npu.device_count() failed ({type(exc).__name__}: {exc}): check the driver with npu-smi info"
         if count == 0:
             visible = os.environ.get(cls.visible_devices_env or "")
             hidden = f"; {cls.visible_devices_env}={visible!r} is set and may hide them" if visible is not None else ""
+            if visible and not _ascending(visible):
+                hidden += " (torch_npu sees no device at all unless the list is ascending, e.g. 0,2,4)"
             return f"torch_npu loaded but no NPU is visible{hidden}: check the devices with npu-smi info"
         return None
 
@@ -80,25 +96,27 @@ class NPUBackend(Backend):
         # Never imports torch_npu: if it is not imported, its runtime cannot have started.
         if sys.modules.get("torch_npu") is None:
             return False
-        is_initialized = getattr(getattr(torch, "npu", None), "is_initialized", None)
-        return bool(is_initialized()) if is_initialized is not None else False
+        return bool(torch.npu.is_initialized())
 
     @classmethod
     def format_visible_devices(cls, ids: list[int]) -> str:
         return ",".join(str(i) for i in sorted(ids))  # HCCL requires ascending order
 
     def supports(self, dtype: torch.dtype) -> bool:
+        """fp32 and fp16 on every Ascend chip; bf16 where the chip says so (asked once bound, see above)."""
         if dtype == torch.bfloat16:
-            probe = getattr(self.device_module(), "is_bf16_supported", None)
-            return bool(probe()) if probe is not None else False
+            return bool(ask_bound_device(self, self.device_module().is_bf16_supported))
         return dtype in (torch.float32, torch.float16)
 
     def grad_scaler(self, enabled: bool = True) -> Any:
-        # torch_npu's own scaler knows the NPU's overflow-detection modes; torch.amp's generic one
-        # works with torch_npu releases that register the "npu" amp kernels.
-        amp = getattr(self.device_module(), "amp", None)
-        scaler_cls = getattr(amp, "GradScaler", None)
-        if scaler_cls is not None:
-            return scaler_cls(enabled=enabled)
-        return torch.amp.GradScaler(self.device_type, enabled=enabled)
+        """torch_npu's own ``torch.npu.amp.GradScaler`` (it knows the chip's overflow detection)."""
+        return self.device_module().amp.GradScaler(enabled=enabled)
 
+
+def _ascending(visible: str) -> bool:
+    """Is a visible-devices list strictly ascending, as torch_npu requires ("0,2,4")?"""
+    try:
+        ids = [int(part) for part in visible.split(",")]
+    except ValueError:
+        return True  # not a plain list: torch_npu reads up to the first odd character; say nothing more
+    return all(a < b for a, b in zip(ids, ids[1:], strict=False))

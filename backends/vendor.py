@@ -1,19 +1,26 @@
 """Guarded imports of vendor modules (torch_npu, torch_xla).
 
-A vendor package can be installed but unusable: ``import torch_npu`` without CANN's shared
-libraries raises ImportError or OSError about ``libascendcl.so`` / ``libhccl.so``, and some vendor
-builds print a message and call ``sys.exit`` instead of raising. A probe must survive all of these
-and say what happened, so ``import_vendor`` catches SystemExit too and returns the cause as text.
-Nothing else happens here: no device is touched, no variable is set.
+A vendor package can be installed but unusable. torch_npu's real failures are exceptions: an
+ImportError when its ``_C`` extension cannot find CANN's ``libhccl.so`` / ``libascendcl.so`` (CANN not
+installed, or ``set_env.sh`` not sourced), a RuntimeError when torch is a CUDA build ("Two
+accelerators cannot be used at the same time"), or an ImportError for a torch it was not built
+for. A probe must survive these and say what happened, so ``import_vendor`` returns the cause as text.
+
+One side effect is undone: ``import torch_npu`` sets ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` before it
+imports anything and restores the user's value only when it finishes, so a failed import would leave
+auto-loading switched off for this process and every process it starts.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 from types import ModuleType
+
+AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 
 
 @dataclass(frozen=True)
@@ -34,7 +41,7 @@ class VendorImport:
 
 
 def import_vendor(name: str) -> VendorImport:
-    """Import ``name`` without letting its failure (ImportError, OSError, SystemExit, ...) escape."""
+    """Import ``name`` without letting its failure (ImportError, OSError, RuntimeError, ...) escape."""
     if name in sys.modules and sys.modules[name] is not None:
         return VendorImport(sys.modules[name])
     try:
@@ -43,18 +50,24 @@ def import_vendor(name: str) -> VendorImport:
             return VendorImport(None, f"{name} is not installed", missing=True)
     except (ImportError, ValueError):
         return VendorImport(None, f"{name} is not installed", missing=True)
+    autoload = os.environ.get(AUTOLOAD_ENV)
     try:
         return VendorImport(importlib.import_module(name))
     except ModuleNotFoundError as exc:
+        _restore(AUTOLOAD_ENV, autoload)
         if exc.name == name or name in sys.modules and sys.modules[name] is None:
             return VendorImport(None, f"{name} is not installed", missing=True)
-        return VendorImport(None, f"import {name} failed: {type(exc).__name__}: {exc}")
-    except SystemExit as exc:
-        # Some vendor builds call sys.exit() when their runtime libraries are missing.
-        detail = f" ({exc.code})" if exc.code not in (None, 0, 1) else ""
-        return VendorImport(None, f"import {name} called sys.exit{detail}")
-    except Exception as exc:  # ImportError, OSError (missing .so), RuntimeError from a driver probe
         return VendorImport(None, f"import {name} failed: {type(exc).__name__}: {_first_line(exc)}")
+    except Exception as exc:  # ImportError from a C extension, OSError, RuntimeError from an import-time check
+        _restore(AUTOLOAD_ENV, autoload)
+        return VendorImport(None, f"import {name} failed: {type(exc).__name__}: {_first_line(exc)}")
+
+
+def _restore(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
 
 
 def _first_line(exc: BaseException) -> str:

@@ -18,6 +18,7 @@ import importlib.util
 import logging
 import os
 import threading
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -227,7 +228,12 @@ class XLABackend(Backend):
         return dtype in (torch.float32, torch.bfloat16)
 
     def grad_scaler(self, enabled: bool = True) -> Any:
-        """fp16 loss scaling for XLA:GPU/CPU; refused on TPUs, which train in bf16 without scaling."""
+        """fp16 loss scaling for XLA:GPU/CPU; refused on TPUs, which train in bf16 without scaling.
+
+        torch_xla ships no GradScaler of its own (``torch_xla.amp`` 2.9 has ``autocast`` and the
+        syncfree optimizers only), so this is torch's ``torch.amp.GradScaler("xla")``, whose
+        unscale and scale update torch_xla implements as XLA ops.
+        """
         if enabled and self.runtime_device_type() == "TPU":
             raise ValueError(
                 "xla: fp16 with a gradient scaler is not supported on TPUs; use bf16 instead "
@@ -256,19 +262,43 @@ class XLABackend(Backend):
         self.mark_step()
 
     def checkpoint_wrapper(self, module: torch.nn.Module) -> torch.nn.Module:
-        """torch_xla's ``checkpoint_module``: recompute in backward, behind optimization barriers.
+        """Recompute ``module``'s activations in backward with torch_xla's checkpoint (in place).
 
-        The barriers stop the compiler from merging the recompute with the forward (which would
-        keep the activations alive after all). The module's forward is replaced in place, so
-        parameter names and state-dict keys do not change.
+        torch_xla's checkpoint puts optimization barriers around the recompute, so the compiler
+        cannot merge it with the forward (which would keep the activations alive after all). It
+        is reentrant only: a call none of whose inputs requires grad would produce no parameter
+        gradients, and torch_xla's own ``checkpoint_module`` then silently skips checkpointing
+        (a first block fed with data, a block after frozen layers: the memory saving vanishes).
+        Here such a call gets an extra input that requires grad and is otherwise ignored, so it
+        is checkpointed like the others. The module's forward is replaced in place: parameter
+        names and state-dict keys do not change.
         """
         if getattr(module, "_xshard_checkpointed", False):
             return module
-        from torch_xla.distributed.fsdp import checkpoint_module
+        from torch_xla.utils.checkpoint import checkpoint
 
-        wrapped = checkpoint_module(module)
-        if wrapped is not module:  # a future torch_xla that wraps instead: keep the user's names
-            module.forward = wrapped.forward
+        inner = module.forward
+
+        def run_inner(m: torch.nn.Module, n_args: int, n_kwargs: int, n_anchors: int, *packed: Any) -> Any:
+            # a bound method of the module, so that torch_xla puts its parameters behind the barrier
+            packed = packed[n_anchors:]
+            args, names, values = packed[:n_args], packed[n_args:n_args + n_kwargs], packed[n_args + n_kwargs:]
+            return inner(*args, **dict(zip(names, values, strict=True)))
+
+        module._xshard_checkpointed_call = types.MethodType(run_inner, module)
+
+        @functools.wraps(inner)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return inner(*args, **kwargs)
+            # torch_xla's checkpoint takes positional arguments only: pack the keywords after them
+            packed = (*args, *kwargs.keys(), *kwargs.values())
+            needs_grad = any(isinstance(t, torch.Tensor) and t.requires_grad for t in packed)
+            anchors = () if needs_grad else (torch.zeros((), device=self.device(), requires_grad=True),)
+            return checkpoint(module._xshard_checkpointed_call, len(args), len(kwargs), len(anchors),
+                              *anchors, *packed)
+
+        module.forward = forward
         module._xshard_checkpointed = True
         return module
 

@@ -24,3 +24,26 @@ def clean_env(monkeypatch):
         ):
             monkeypatch.delenv(name, raising=False)
     return monkeypatch
+
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Name the vendor releases the conformance checks ran against (tests/test_vendor_conformance.py;
+    the README's support matrix records them)."""
+    ran = [r for reports in terminalreporter.stats.values() for r in reports
+           if getattr(r, "when", None) == "call" and "test_vendor_conformance" in getattr(r, "nodeid", "")]
+    if not ran:
+        return
+    import importlib.metadata
+
+    from vendor_sources import NPU_RELEASE, npu_wheel_path
+
+    releases = []
+    for dist in ("torch", "torch-xla"):
+        try:
+            releases.append(f"{dist} {importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    wheel = npu_wheel_path()
+    releases.append(f"torch-npu {NPU_RELEASE} ({wheel.name})" if wheel else f"torch-npu {NPU_RELEASE}: wheel absent")
+    terminalreporter.write_line("vendor conformance checked against: " + ", ".join(releases))

@@ -1,5 +1,6 @@
-"""CUDA backend, emulated: torch.cuda's functions are patched on this CPU-only torch and record
-what the backend asks. Proves how xshard drives CUDA, not that a GPU works (`xshard env --check`)."""
+"""CUDA backend, emulated: torch.cuda's functions are patched on this CPU-only torch (tests/fakes/cuda.py,
+held to this torch's signatures by tests/test_vendor_conformance.py) and record what the backend asks.
+Proves how xshard drives CUDA, not that a GPU works (`xshard env --check`)."""
 
 from __future__ import annotations
 
@@ -67,12 +68,36 @@ def test_process_group_binds_the_device_first_then_starts_nccl(clean_env) -> Non
     ]
 
 
-@pytest.mark.parametrize("bf16", [True, False])
-def test_bf16_follows_the_gpu(clean_env, bf16: bool) -> None:
-    fake_cuda(clean_env, bf16=bf16)
+@pytest.mark.parametrize("capability,bf16", [((8, 0), True), ((9, 0), True), ((7, 0), False), ((7, 5), False)],
+                         ids=["A100", "H100", "V100", "T4"])
+def test_bf16_means_the_gpu_computes_in_it(clean_env, capability, bf16: bool) -> None:
+    # torch.cuda.is_bf16_supported() says yes on V100 and T4 too (it counts emulation by default)
+    calls = fake_cuda(clean_env, capability=capability)
     backend = CUDA(World())
     assert backend.supports(torch.bfloat16) is bf16
     assert backend.supports(torch.float16)
+    assert [q["including_emulation"] for q in calls.bf16_questions] == [False]
+    if not bf16:
+        with pytest.raises(ValueError, match="bfloat16 is not supported on this device.*float16"):
+            backend.autocast(torch.bfloat16)
+
+
+@pytest.mark.parametrize("ask", ["supports", "describe"])
+def test_bf16_is_asked_only_on_the_process_s_own_gpu(clean_env, ask: str) -> None:
+    # the answer is for the current GPU and starts CUDA there: bind this process's GPU first
+    calls = fake_cuda(clean_env, device_count=4)
+    backend = CUDA(World(rank=3, world_size=4, local_rank=3, local_world_size=4))
+    assert (backend.supports(torch.bfloat16) if ask == "supports" else backend.describe()["bf16"]) is True
+    assert calls.set_device == [3] and calls.runtime_started_on == 3
+    assert [q["device"] for q in calls.bf16_questions] == [3]
+
+
+def test_a_bound_process_is_not_bound_again(clean_env) -> None:
+    calls = fake_cuda(clean_env, device_count=2)
+    backend = CUDA(World(rank=1, world_size=2, local_rank=1, local_world_size=2))
+    backend.set_device()
+    backend.supports(torch.bfloat16)
+    assert calls.set_device == [1]
 
 
 def test_autocast_and_grad_scaler_use_cuda(clean_env) -> None:

@@ -71,13 +71,20 @@ def test_launcher_gets_the_fallback_for_child_processes(clean_env) -> None:
     assert MPS.apply_default_env(child_env) == {"PYTORCH_ENABLE_MPS_FALLBACK": "1"}
 
 
-@pytest.mark.parametrize("macos,bf16", [("13.6", False), ("14.5", True), ("", False)])
+@pytest.mark.parametrize("macos,bf16", [("13.6", False), ("14.0", True), ("15.1", True), ("", False)])
 def test_precision(clean_env, macos: str, bf16: bool) -> None:
-    fake_mps(clean_env, macos=macos)
+    fake_mps(clean_env, macos=macos)  # the MPS runtime's own torch.backends.mps.is_macos_or_newer answers
     backend = MPS(World())
     assert backend.supports(torch.float32) and backend.supports(torch.float16)
-    assert backend.supports(torch.bfloat16) is bf16  # torch here is >= 2.6
+    assert backend.supports(torch.bfloat16) is bf16
     assert not backend.supports(torch.float64)
+
+
+def test_grad_scaler_is_torch_s_mps_scaler(clean_env) -> None:
+    fake_mps(clean_env)
+    scaler = MPS(World()).grad_scaler()
+    assert type(scaler) is torch.amp.GradScaler and scaler._device == "mps"
+    assert scaler.is_enabled()
 
 
 def test_autocast_asks_for_mps(clean_env) -> None:

@@ -1,11 +1,15 @@
-"""NPU backend, emulated: a fake torch_npu / torch.npu records what the backend asks of it, and a
-test-only "hccl" process group over gloo runs real collectives in two processes.
+"""NPU backend, emulated: a fake torch_npu / torch.npu (tests/fakes/npu.py, held to the real torch_npu
+2.13.0 by tests/test_vendor_conformance.py) records what the backend asks of it, and a test-only "hccl"
+process group over gloo runs real collectives in two processes.
 
-Emulated, not tested on an NPU: these prove how xshard drives torch_npu, not that torch_npu works.
+Emulated, not tested on an NPU: these prove how xshard drives torch_npu, not that torch_npu works
+(`xshard env --check` on the hardware does).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -14,6 +18,7 @@ import torch
 import torch.distributed as dist
 from distributed import run_workers
 from fakes.npu import install_fake_torch_npu
+from packaging.requirements import Requirement
 from xshard.backends import (
     BackendUnavailableError,
     World,
@@ -32,7 +37,7 @@ def test_identity_and_devices(fake_npu) -> None:
     backend = NPU(World(rank=3, world_size=8, local_rank=1, local_world_size=4))
     assert (backend.device_type, backend.dist_backend, backend.visible_devices_env) == (
         "npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES")
-    assert backend.native_avg is False  # HCCL rejects ReduceOp.AVG
+    assert backend.native_avg is True  # ProcessGroupHCCL takes ReduceOp.AVG (a sum, then a divide)
     assert backend.device() == torch.device("npu", 1)
     assert backend.device_count() == 8
     backend.set_device()
@@ -41,11 +46,19 @@ def test_identity_and_devices(fake_npu) -> None:
 
 
 def test_set_device_beyond_visible_devices_says_what_to_do(make_fake_npu, clean_env) -> None:
-    make_fake_npu(device_count=2)
+    make_fake_npu(device_count=8)
     clean_env.setenv("ASCEND_RT_VISIBLE_DEVICES", "0,1")
     backend = NPU(World(rank=2, world_size=4, local_rank=2, local_world_size=4))
     with pytest.raises(BackendUnavailableError, match=r"local rank 2 .* only 2 npu .*ASCEND_RT_VISIBLE_DEVICES='0,1'"):
         backend.set_device()
+
+
+def test_a_visible_list_out_of_order_hides_every_npu_and_the_reason_says_so(make_fake_npu, clean_env) -> None:
+    make_fake_npu(device_count=8)
+    clean_env.setenv("ASCEND_RT_VISIBLE_DEVICES", "2,0")  # torch_npu's device_count() is 0 for this
+    reason = NPU.unavailable_reason()
+    assert "no NPU is visible" in reason and "ASCEND_RT_VISIBLE_DEVICES='2,0'" in reason
+    assert "unless the list is ascending" in reason
 
 
 @pytest.mark.parametrize("bf16", [True, False])
@@ -60,34 +73,68 @@ def test_bf16_follows_the_chip(make_fake_npu, bf16: bool) -> None:
             backend.autocast(torch.bfloat16)
 
 
-def test_autocast_asks_for_the_npu_device_type(fake_npu, monkeypatch) -> None:
-    asked = []
-    monkeypatch.setattr(torch, "autocast", lambda **kw: asked.append(kw) or _Null())
+@pytest.mark.parametrize("ask", ["supports", "describe"])
+def test_bf16_is_asked_only_on_the_process_s_own_device(make_fake_npu, ask: str) -> None:
+    # torch.npu.is_bf16_supported() starts the runtime on the current device: asked before
+    # set_device, every rank would start it on NPU 0 (`xshard env` and scripts ask before training)
+    calls = make_fake_npu(device_count=8)
+    backend = NPU(World(rank=5, world_size=8, local_rank=3, local_world_size=4))
+    answer = backend.supports(torch.bfloat16) if ask == "supports" else backend.describe()["bf16"]
+    assert answer is True
+    assert calls.runtime_started_on == 3 and calls.runtime_started_by == "set_device"
+    assert calls.bf16_questions == [3]
+    assert calls.set_device == [3]
+
+
+def test_the_accelerator_asks_after_binding_the_device(make_fake_npu, clean_env) -> None:
+    import xshard
+
+    calls = make_fake_npu(device_count=8)
+    clean_env.setenv("LOCAL_RANK", "2")  # one process, bound to NPU 2
+    acc = xshard.Accelerator(backend="npu", mixed_precision="bf16")
+    assert acc.device == torch.device("npu", 2)
+    assert calls.runtime_started_by == "set_device" and calls.runtime_started_on == 2
+    assert calls.bf16_questions and set(calls.bf16_questions) == {2}
+
+
+def test_autocast_enters_torch_s_own_npu_autocast(fake_npu) -> None:
+    # torch.autocast("npu") itself asks torch.npu.get_amp_supported_dtype() (the fake has it, as torch_npu)
     with NPU(World()).autocast(torch.bfloat16):
-        pass
-    assert asked == [{"device_type": "npu", "dtype": torch.bfloat16}]
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+        assert torch.is_autocast_enabled("npu")
+        assert torch.get_autocast_dtype("npu") == torch.bfloat16
+    assert not torch.is_autocast_enabled("npu")
 
 
 def test_grad_scaler_is_torch_npu_s_own(fake_npu) -> None:
     scaler = NPU(World()).grad_scaler()
-    assert fake_npu.grad_scalers == [{"enabled": True}]
-    assert scaler.kwargs == {"enabled": True}
+    assert isinstance(scaler, torch.npu.amp.GradScaler)
+    assert fake_npu.grad_scalers == [{"init_scale": 2.0**16, "growth_interval": 2000, "dynamic": True, "enabled": True}]
+    assert NPU(World()).grad_scaler(enabled=False).is_enabled() is False
 
 
-def test_grad_scaler_falls_back_to_torch_amp_with_npu(make_fake_npu, monkeypatch) -> None:
-    make_fake_npu(with_amp=False)
-    built = []
-    monkeypatch.setattr(torch.amp, "GradScaler", lambda device, enabled=True: built.append((device, enabled)))
-    NPU(World()).grad_scaler(enabled=False)
-    assert built == [("npu", False)]
+def _scaled_steps(scaler, losses: list[float]) -> tuple[list[float], list[float]]:
+    """SGD steps of w (starting at 1) on loss * w; returns w and the scale after each step."""
+    w = torch.nn.Parameter(torch.ones(()))  # on the CPU: the fake device's tensors are CPU tensors
+    opt = torch.optim.SGD([w], lr=0.1)
+    ws, scales = [], []
+    for loss in losses:
+        opt.zero_grad()
+        scaler.scale(w * loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        ws.append(w.item())
+        scales.append(scaler.get_scale())
+    return ws, scales
+
+
+@pytest.mark.parametrize("inf_nan_mode", [True, False], ids=["910B-inf-nan", "910A-float-status"])
+def test_torch_npu_scaler_skips_an_overflow_and_backs_off(make_fake_npu, inf_nan_mode: bool) -> None:
+    calls = make_fake_npu(inf_nan_mode=inf_nan_mode)
+    ws, scales = _scaled_steps(NPU(World()).grad_scaler(), [1.0, float("inf"), 1.0])
+    assert ws == pytest.approx([0.9, 0.9, 0.8])  # the overflowing step is skipped
+    assert scales == [2.0**16, 2.0**15, 2.0**15]
+    # on chips without inf/nan mode torch_npu clears the float-status flag once per iteration
+    assert calls.float_status_clears == (0 if inf_nan_mode else 3)
 
 
 def test_visible_devices_are_sorted_for_hccl(fake_npu) -> None:
@@ -98,23 +145,28 @@ def test_visible_devices_are_sorted_for_hccl(fake_npu) -> None:
 
 
 def test_probe_has_no_side_effects(fake_npu) -> None:
-    import os
-
     before = dict(os.environ)
     assert NPU.unavailable_reason() is None
     assert NPU.runtime_initialized() is False
+    assert fake_npu.runtime_started_on is None
     assert fake_npu.set_device == [] and fake_npu.synchronize == 0
     assert dict(os.environ) == before
 
 
 def test_no_npu_visible_names_the_variable(make_fake_npu, clean_env) -> None:
-    make_fake_npu(device_count=0)
+    make_fake_npu(device_count=8)
     clean_env.setenv("ASCEND_RT_VISIBLE_DEVICES", "")
     reason = NPU.unavailable_reason()
     assert "no NPU is visible" in reason and "ASCEND_RT_VISIBLE_DEVICES=''" in reason
 
 
 # ---------------------------------------------------------------- torch_npu missing or broken
+
+
+def _pip_requirement(message: str) -> Requirement:
+    found = re.search(r'pip install "(torch-npu==[^"]+)"', message)
+    assert found, message
+    return Requirement(found.group(1))
 
 
 def test_explicit_npu_without_torch_npu(no_torch_npu) -> None:
@@ -124,19 +176,31 @@ def test_explicit_npu_without_torch_npu(no_torch_npu) -> None:
     message = str(err.value)
     assert "XSHARD_BACKEND=npu" in message
     assert "torch_npu is not installed" in message
-    assert f"pip install torch-npu=={torch.__version__.split('+')[0]}" in message
     assert "set_env.sh" in message
+    # the hint matches torch-npu's rebuilds of the same release (2.12.0.post3 for torch 2.12.0) too
+    release = torch.__version__.split("+")[0]
+    wanted = _pip_requirement(message)
+    assert wanted.specifier.contains(release) and wanted.specifier.contains(f"{release}.post3")
+    major, minor = (int(p) for p in release.split(".")[:2])
+    assert not wanted.specifier.contains(f"{major}.{minor + 1}.0")
 
 
-@pytest.mark.parametrize("variant,cause", [("exits", "called sys.exit"), ("no_cann", "libascendcl.so")])
-def test_torch_npu_that_cannot_load_is_explained(clean_env, variant: str, cause: str) -> None:
+@pytest.mark.parametrize("variant,cause,fix", [
+    ("no_cann", "ImportError: libhccl.so: cannot open shared object file", "set_env.sh"),
+    ("cuda_torch", "RuntimeError: Two accelerators cannot be used at the same time", "CPU build of torch"),
+])
+def test_torch_npu_that_cannot_load_is_explained(clean_env, variant: str, cause: str, fix: str) -> None:
     clean_env.delitem(sys.modules, "torch_npu", raising=False)
     clean_env.syspath_prepend(str(BROKEN / variant))
-    reason = NPU.unavailable_reason()  # must not exit the test process
+    clean_env.setenv("TORCH_DEVICE_BACKEND_AUTOLOAD", "1")
+    reason = NPU.unavailable_reason()
     assert reason.startswith("torch_npu is installed but cannot load")
-    assert cause in reason
-    assert "set_env.sh" in reason and "CANN" in reason
+    assert cause in reason and fix in reason
+    if variant == "no_cann":
+        assert _pip_requirement(reason).specifier.contains(torch.__version__.split("+")[0])
     assert "torch_npu" not in sys.modules or sys.modules["torch_npu"] is None
+    # torch_npu switches auto-loading off first thing; the failed import must not leave it off
+    assert os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "1"
     with pytest.raises(BackendUnavailableError, match="backend='npu' argument asks for the npu backend"):
         select("npu")
 
@@ -178,7 +242,16 @@ def _npu_job(rank: int, world_size: int) -> dict:
     t = torch.full((3,), float(rank + 1))
     coll.all_reduce(t, op="avg")
     out["all_reduce_avg"] = t
-    out["ops"] = ops
+    out["ops"] = list(ops)
+
+    # torch_npu's own scaler, rank 1 overflowing: on a 910A-class chip (no inf/nan mode) the scaler
+    # all-reduces the overflow count itself, so both ranks skip; with inf/nan mode (910B) it does not
+    # and each rank decides alone: agreeing is then the job of the code that uses the scaler.
+    for inf_nan_mode in (False, True):
+        scaler_calls = install_fake_torch_npu(device_count=world_size, inf_nan_mode=inf_nan_mode)
+        ws, _ = _scaled_steps(backend.grad_scaler(), [float("inf") if rank == 1 else 1.0])
+        out[f"stepped_inf_nan_{inf_nan_mode}"] = ws[0] != 1.0
+        out[f"overflow_all_reduces_inf_nan_{inf_nan_mode}"] = scaler_calls.overflow_all_reduces
     backend.destroy_process_group()
     out["initialized_after_teardown"] = dist.is_initialized()
     return out
@@ -197,5 +270,7 @@ def test_two_process_job_on_hccl_over_gloo() -> None:
         expected_slice = torch.arange(4 * rank, 4 * rank + 4, dtype=torch.float32) * mean_factor
         assert torch.allclose(out["reduce_scatter_avg"], expected_slice)
         assert torch.allclose(out["all_reduce_avg"], torch.full((3,), mean_factor))
-        assert "ReduceOp.AVG" not in out["ops"] and out["ops"], out["ops"]  # HCCL has no AVG: SUM, then divide
+        assert out["ops"] == [str(dist.ReduceOp.AVG)]  # HCCL averages itself: no SUM-then-divide here
+        assert out["stepped_inf_nan_False"] is False and out["overflow_all_reduces_inf_nan_False"] == 1
+        assert out["stepped_inf_nan_True"] is (rank == 0) and out["overflow_all_reduces_inf_nan_True"] == 0
         assert out["initialized_after_teardown"] is False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,25 +59,50 @@ def test_json_report_parses() -> None:
     assert report["versions"]["torch"] == torch.__version__
 
 
-def test_auto_with_a_torch_npu_that_exits_still_reports_cpu() -> None:
-    proc = xshard_env("--json", env={"PYTHONPATH": str(BROKEN_NPU / "exits")})
+def test_auto_with_a_broken_torch_npu_not_autoloaded_still_reports_cpu() -> None:
+    proc = xshard_env("--json", env={"PYTHONPATH": str(BROKEN_NPU / "no_cann"), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     skipped = {s["backend"]: s["reason"] for s in report["skipped"]}
     if report["backend"] == "cpu":  # (the XLA environment would pick xla first)
-        assert "called sys.exit" in skipped["npu"] and "set_env.sh" in skipped["npu"]
+        assert "libhccl.so" in skipped["npu"] and "set_env.sh" in skipped["npu"]
+
+
+def installed_layout(tmp_path: Path) -> Path:
+    """This source tree laid out as its wheel installs it (backends/ inside xshard/)."""
+    shutil.copytree(ROOT / "xshard", tmp_path / "xshard", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "backends", tmp_path / "xshard" / "backends", ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("variant,cause,fix", [
+    ("no_cann", "ImportError: libhccl.so: cannot open shared object file", 'pip install "torch-npu=='),
+    ("cuda_torch", "RuntimeError: Two accelerators cannot be used at the same time", "CPU build of torch"),
+])
+def test_a_broken_torch_npu_that_torch_autoloads_is_explained_in_one_line(tmp_path, variant, cause, fix) -> None:
+    # with torch_npu installed, `import torch` loads it itself: the failure comes before any xshard code
+    path = f"{installed_layout(tmp_path)}{os.pathsep}{BROKEN_NPU / variant}"
+    proc = subprocess.run([sys.executable, "-m", "xshard", "env"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path, "TORCH_DEVICE_BACKEND_AUTOLOAD": "1"}, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    line, = proc.stderr.strip().splitlines()
+    assert line.startswith("xshard: error: import torch failed: torch auto-loads the installed device extension "
+                           "torch_npu, which raised ")
+    assert cause in line and fix in line and "export TORCH_DEVICE_BACKEND_AUTOLOAD=0" in line
 
 
 @pytest.mark.parametrize("args,env,fragments", [
     ((), {"XSHARD_BACKEND": "gpu"}, ("XSHARD_BACKEND='gpu'", "valid values are")),
     (("--backend", "tpu"), {}, ("backend='tpu'", "valid values are")),
     (("--backend", "cuda"), {"XSHARD_BACKEND": "cpu"}, ("backend='cuda'", "XSHARD_BACKEND='cpu'")),
-    ((), {"XSHARD_BACKEND": "npu", "PYTHONPATH": str(BROKEN_NPU / "exits")}, ("called sys.exit", "set_env.sh")),
-    ((), {"XSHARD_BACKEND": "npu", "PYTHONPATH": str(BROKEN_NPU / "no_cann")}, ("libascendcl.so", "set_env.sh")),
+    ((), {"XSHARD_BACKEND": "npu", "PYTHONPATH": str(BROKEN_NPU / "cuda_torch"), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+     ("Two accelerators", "CPU build of torch")),
+    ((), {"XSHARD_BACKEND": "npu", "PYTHONPATH": str(BROKEN_NPU / "no_cann"), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+     ("libhccl.so", "set_env.sh")),
     (("--backend", "cuda"), {}, ("built without CUDA",)),
     (("--devices", "0,-1"), {"XSHARD_BACKEND": "cpu"}, ("-1 is negative",)),
     ((), {"XSHARD_BACKEND": "cpu", "WORLD_SIZE": "two"}, ("WORLD_SIZE='two' is not an integer",)),
-], ids=["unknown-env", "unknown-arg", "conflict", "npu-exits", "npu-no-cann", "cuda-missing", "bad-devices",
+], ids=["unknown-env", "unknown-arg", "conflict", "npu-cuda-torch", "npu-no-cann", "cuda-missing", "bad-devices",
         "bad-world"])
 def test_errors_are_one_line_and_exit_2(args, env, fragments) -> None:
     assert_one_line_error(xshard_env(*args, env=env), *fragments)
@@ -85,16 +111,31 @@ def test_errors_are_one_line_and_exit_2(args, env, fragments) -> None:
 def test_npu_without_torch_npu() -> None:
     proc = xshard_env(env={"XSHARD_BACKEND": "npu"})
     if "torch_npu is installed" not in proc.stderr:  # a machine with a real torch_npu says so instead
-        assert_one_line_error(proc, "torch_npu is not installed", "pip install torch-npu==", "set_env.sh")
+        assert_one_line_error(proc, "torch_npu is not installed", 'pip install "torch-npu==', "set_env.sh")
+
+
+CHECKS = ("process_group", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "collectives_on_views",
+          "matmul_fp32", "matmul_autocast_bf16", "matmul_autocast_fp16", "train_step_bf16", "train_step_fp16",
+          "stage3_two_units", "synchronize")
 
 
 def test_check_passes_on_cpu_with_one_process() -> None:
     proc = xshard_env("--check", env={"XSHARD_BACKEND": "cpu"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for name in ("process_group", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "matmul_fp32",
-                 "matmul_autocast_bf16"):
+    for name in CHECKS:
         assert f"PASS  {name}" in proc.stdout
-    assert "FAIL" not in proc.stdout and "all 9 checks passed" in proc.stdout
+    assert "FAIL" not in proc.stdout and f"all {len(CHECKS)} checks passed" in proc.stdout
+    assert "torch.amp.grad_scaler.GradScaler: step matches the CPU fp32 step" in proc.stdout  # cpu's scaler
+    assert "an overflowing step was skipped, scale 65536 -> 32768" in proc.stdout
+    assert "2 units over 1 rank(s)" in proc.stdout
+
+
+@pytest.mark.xla
+def test_check_passes_on_xla_cpu() -> None:
+    pytest.importorskip("torch_xla")
+    proc = xshard_env("--check", env={"XSHARD_BACKEND": "xla", "PJRT_DEVICE": "CPU"}, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"all {len(CHECKS)} checks passed" in proc.stdout
 
 
 @pytest.mark.multiprocess
@@ -116,6 +157,9 @@ def test_check_passes_under_torchrun_with_two_processes() -> None:
         group = next(c for c in report["checks"] if c["name"] == "process_group")
         assert group["detail"] == f"gloo: rank {report['world']['rank']} of 2"
         assert next(c for c in report["checks"] if c["name"] == "all_reduce")["detail"] == "avg over 2 rank(s) = 1.5"
+        assert [c["name"] for c in report["checks"]] == list(CHECKS)
+        stage3 = next(c for c in report["checks"] if c["name"] == "stage3_two_units")["detail"]
+        assert stage3.startswith("2 units over 2 rank(s)") and stage3.endswith("as plain PyTorch")
 
 
 def test_check_fails_and_exits_1_when_the_peer_never_comes() -> None:
@@ -124,7 +168,8 @@ def test_check_fails_and_exits_1_when_the_peer_never_comes() -> None:
     proc = xshard_env("--check", "--timeout", "2", env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL  process_group" in proc.stdout and "FAIL  all_reduce" in proc.stdout
-    assert "PASS  matmul_fp32" in proc.stdout  # the device itself still works
+    assert "FAIL  collectives_on_views" in proc.stdout and "FAIL  stage3_two_units" in proc.stdout
+    assert "PASS  matmul_fp32" in proc.stdout and "PASS  train_step_fp16" in proc.stdout  # the device still works
     assert "FAILED: process_group" in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
 
@@ -139,3 +184,50 @@ def test_check_catches_an_autocast_that_does_nothing(clean_env) -> None:
     assert not results["matmul_autocast_bf16"].passed
     assert "autocast did not apply" in results["matmul_autocast_bf16"].detail
     assert results["matmul_fp32"].passed and results["all_reduce"].passed
+
+
+def test_check_catches_a_scaler_that_misses_an_overflow(clean_env) -> None:
+    from xshard.backends import backend_class
+
+    backend = backend_class("cpu")(World())
+    clean_env.setattr(backend, "grad_scaler", lambda enabled=True: _BlindScaler("cpu"))
+    results = {r.name: r for r in run_checks(backend)}
+    assert not results["train_step_fp16"].passed
+    assert "overflowed changed the parameters: the scaler did not see the overflow" in results["train_step_fp16"].detail
+    assert results["train_step_bf16"].passed and results["stage3_two_units"].passed
+
+
+class _BlindScaler(torch.amp.GradScaler):
+    """A scaler whose overflow check sees nothing (as a chip whose overflow flag is never read)."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        for flag in per_device.values():
+            flag.zero_()
+        return per_device
+
+
+def test_check_catches_a_collective_that_ignores_a_view_s_offset(clean_env) -> None:
+    from xshard.backends import backend_class
+
+    import xshard.cli.env_check as env_check
+
+    real = env_check._collectives_for
+
+    def offset_blind(backend):
+        coll = real(backend)
+        all_reduce = coll.all_reduce
+
+        def all_reduce_from_storage_start(tensor, op="sum"):
+            base = tensor if tensor._base is None else tensor._base  # writes at the storage start
+            start = base.view(-1)[:tensor.numel()]
+            start.copy_(tensor.reshape(-1).clone())
+            return all_reduce(start, op=op)
+
+        coll.all_reduce = all_reduce_from_storage_start
+        return coll
+
+    clean_env.setattr(env_check, "_collectives_for", offset_blind)
+    results = {r.name: r for r in run_checks(backend_class("cpu")(World()))}
+    assert not results["collectives_on_views"].passed
+    assert "all_reduce wrote outside its view" in results["collectives_on_views"].detail

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.multiprocess
 
 def _stuck_worker(rank: int, world: int) -> dict:
     import torch
+    from xshard.backends.errors import CollectiveTimeoutError
 
     import xshard
-    from xshard.backends.errors import CollectiveTimeoutError
 
     acc = xshard.Accelerator(stage=3, seed=0, auto_wrap_policy="size", min_num_params=50)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))

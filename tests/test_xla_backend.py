@@ -153,21 +153,24 @@ class _Block(torch.nn.Module):
         return self.out(torch.tanh(self.inner(x)))
 
 
-def _grads_of(backend: XLABackend, checkpoint: bool) -> tuple[list[str], dict[str, torch.Tensor], int]:
+def _grads_of(backend: XLABackend, checkpoint: bool, input_grad: bool) -> tuple[list[str], dict[str, torch.Tensor], int]:
     torch.manual_seed(0)
     block = _Block().to(backend.device())
     if checkpoint:
         assert backend.checkpoint_wrapper(block) is block
-    x = torch.randn(5, 8).to(backend.device()).requires_grad_()
+    x = torch.randn(5, 8).to(backend.device()).requires_grad_(input_grad)
     block(x).square().sum().backward()
     backend.mark_step()
     grads = {n: p.grad.cpu() for n, p in block.named_parameters()}
     return [n for n, _ in block.named_parameters()], grads, block.inner_calls
 
 
-def test_checkpoint_wrapper_keeps_names_and_gradients_and_recomputes(backend: XLABackend) -> None:
-    names, grads, calls = _grads_of(backend, checkpoint=False)
-    ck_names, ck_grads, ck_calls = _grads_of(backend, checkpoint=True)
+@pytest.mark.parametrize("input_grad", [True, False], ids=["input-requires-grad", "data-input"])
+def test_checkpoint_wrapper_keeps_names_and_gradients_and_recomputes(backend: XLABackend, input_grad: bool) -> None:
+    # A block fed with data (no input requires grad) is checkpointed too: torch_xla's own
+    # checkpoint_module silently runs it without checkpointing (one forward call, no saving).
+    names, grads, calls = _grads_of(backend, checkpoint=False, input_grad=input_grad)
+    ck_names, ck_grads, ck_calls = _grads_of(backend, checkpoint=True, input_grad=input_grad)
     assert ck_names == names == ["inner.weight", "inner.bias", "out.weight", "out.bias"]
     for n in names:
         torch.testing.assert_close(ck_grads[n], grads[n])

@@ -15,7 +15,7 @@ from .npu import NPUCalls, install_fake_torch_npu, uninstall_fake_torch_npu
 
 @pytest.fixture
 def make_fake_npu(clean_env) -> Callable[..., NPUCalls]:
-    """``make_fake_npu(device_count=.., bf16=.., ...)`` installs a fake torch_npu for this test only."""
+    """``make_fake_npu(device_count=.., bf16=.., inf_nan_mode=.., ...)`` installs a fake torch_npu for this test only."""
     saved = sys.modules.get("torch_npu")
     yield install_fake_torch_npu
     uninstall_fake_torch_npu()

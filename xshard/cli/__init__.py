@@ -39,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `xshard` console script and `python -m xshard`."""
+    from xshard.cli.torch_import import TorchImportError, import_torch
+
+    try:  # before anything imports torch: a broken device extension fails inside `import torch`
+        import_torch()
+    except TorchImportError as exc:
+        print(f"xshard: error: {exc}", file=sys.stderr)
+        return 2
     from xshard.backends.errors import XShardError
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -1,7 +1,11 @@
 """Show the backend xshard picks here and why, its devices, process-group backend, versions and the
-variables in effect. `--check` runs a self-test on that backend (a process group, each collective,
-a matmul per precision) and exits non-zero if any part fails: run it on new hardware, alone or
-under torchrun (`torchrun --nproc_per_node N -m xshard env --check`)."""
+variables in effect. `--check` runs a self-test on that backend (a process group, each collective, also
+on views at storage offsets, a matmul and a training step per precision, fp16 with the backend's own
+grad scaler, and a ZeRO-3 step) and exits non-zero if any part fails: run it on new hardware, alone or
+under torchrun (`torchrun --nproc_per_node N -m xshard env --check`).
+
+The precision line asks the device itself (CUDA and NPU answer for the device the process is bound to,
+so the report binds this process's device first, as training does)."""
 
 from __future__ import annotations
 
@@ -89,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(CUDA_VISIBLE_DEVICES, ASCEND_RT_VISIBLE_DEVICES, ...) like the devices option")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--check", action="store_true",
-                        help="run the self-test (process group, collectives, matmul); exit 1 if any check fails")
+                        help="run the self-test (process group, collectives, a training step per precision with the backend's "
+                             "grad scaler, a ZeRO-3 step); exit 1 if any check fails")
     parser.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                         help="process-group timeout for --check (default: 60)")
 

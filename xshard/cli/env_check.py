@@ -1,8 +1,10 @@
 """`xshard env --check`: the self-test a user runs on real hardware.
 
 ``run_checks`` starts the process group (one process, or the world torchrun started), runs each
-collective and compares with the expected values, and runs a matmul in fp32 and in every low
-precision the device supports, against the same product on the CPU.
+collective and compares with the expected values, also on views at storage offsets, runs a matmul in
+fp32 and in every low precision the device supports against the same product on the CPU, a training
+step in each of those precisions (fp16 with the backend's own GradScaler, including an overflowing
+step), and a ZeRO-3 step of a two-unit model against plain PyTorch (see ``env_check_training``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from xshard.backends import Backend, DistCollectives, World
+from xshard.cli.env_check_training import CheckFailed, expect, stage3_check, train_step_check, views_check
 
 
 @dataclass
@@ -30,15 +33,6 @@ class CheckResult:
         return asdict(self)
 
 
-class _CheckFailed(Exception):
-    pass
-
-
-def _expect(ok: bool, message: str) -> None:
-    if not ok:
-        raise _CheckFailed(message)
-
-
 def run_checks(backend: Backend, timeout: float = 60.0) -> list[CheckResult]:
     """Start the process group, run every collective and a matmul per precision; tear down."""
     results: list[CheckResult] = []
@@ -48,23 +42,33 @@ def run_checks(backend: Backend, timeout: float = 60.0) -> list[CheckResult]:
             results.append(CheckResult(name, True, fn()))
             return True
         except Exception as exc:
-            message = str(exc) if isinstance(exc, _CheckFailed) else f"{type(exc).__name__}: {exc}"
+            message = str(exc) if isinstance(exc, CheckFailed) else f"{type(exc).__name__}: {exc}"
             results.append(CheckResult(name, False, message))
             return False
 
     started: list[bool] = []
-    if check("process_group", lambda: _start_group(backend, timeout, started)):
+    grouped = check("process_group", lambda: _start_group(backend, timeout, started))
+    world = backend.world
+    n = dist.get_world_size() if dist.is_initialized() else world.world_size
+    if grouped:
         collectives = _collectives_for(backend)
-        world = backend.world
         for name, fn in _collective_checks(backend, collectives, world):
             check(name, fn)
+        check("collectives_on_views", lambda: views_check(backend, collectives, n, world.rank))
     else:
-        for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+        for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "collectives_on_views"):
             results.append(CheckResult(name, False, "not run: the process group did not start"))
     check("matmul_fp32", lambda: _matmul(backend, None))
-    for dtype in (torch.bfloat16, torch.float16):
-        if backend.supports(dtype):
-            check(f"matmul_autocast_{_short(dtype)}", lambda d=dtype: _matmul(backend, d))
+    low = [dtype for dtype in (torch.bfloat16, torch.float16) if backend.supports(dtype)]
+    for dtype in low:
+        check(f"matmul_autocast_{_short(dtype)}", lambda d=dtype: _matmul(backend, d))
+    for dtype in low:
+        check(f"train_step_{_short(dtype)}", lambda d=dtype: train_step_check(backend, d))
+    if grouped or world.world_size == 1:
+        # the sharded core reduces over the backend's own collectives (one process: none needed)
+        check("stage3_two_units", lambda: stage3_check(backend, backend.collectives, world.world_size, world.rank))
+    else:
+        results.append(CheckResult("stage3_two_units", False, "not run: the process group did not start"))
     check("synchronize", lambda: (backend.synchronize(), "device queue drained")[1])
     try:
         if started and dist.is_initialized():
@@ -109,7 +113,7 @@ def _collective_checks(backend: Backend, coll, world: World) -> list[tuple[str, 
         coll.all_reduce(t, op="avg")
         expected = (n + 1) / 2
         got = t.cpu()
-        _expect(torch.allclose(got, torch.full((4,), expected)), f"avg gave {got.tolist()}, expected {expected}")
+        expect(torch.allclose(got, torch.full((4,), expected)), f"avg gave {got.tolist()}, expected {expected}")
         return f"avg over {n} rank(s) = {expected}"
 
     def all_gather() -> str:
@@ -117,7 +121,7 @@ def _collective_checks(backend: Backend, coll, world: World) -> list[tuple[str, 
         out = torch.empty(3 * n, device=dev)
         coll.all_gather_into_tensor(out, shard)
         expected = torch.cat([torch.arange(3, dtype=torch.float32) + 10 * r for r in range(n)])
-        _expect(torch.equal(out.cpu(), expected), f"gathered {out.cpu().tolist()}, expected {expected.tolist()}")
+        expect(torch.equal(out.cpu(), expected), f"gathered {out.cpu().tolist()}, expected {expected.tolist()}")
         return f"{n} shard(s) of 3 in rank order"
 
     def reduce_scatter() -> str:
@@ -125,13 +129,13 @@ def _collective_checks(backend: Backend, coll, world: World) -> list[tuple[str, 
         out = torch.empty(3, device=dev)
         coll.reduce_scatter_tensor(out, full, op="sum")
         expected = torch.arange(3 * rank, 3 * rank + 3, dtype=torch.float32) * (n * (n + 1) / 2)
-        _expect(torch.allclose(out.cpu(), expected), f"got {out.cpu().tolist()}, expected {expected.tolist()}")
+        expect(torch.allclose(out.cpu(), expected), f"got {out.cpu().tolist()}, expected {expected.tolist()}")
         return "sum, this rank's slice"
 
     def broadcast() -> str:
         t = torch.full((2,), float(rank), device=dev)
         coll.broadcast(t, src=n - 1)
-        _expect(torch.equal(t.cpu(), torch.full((2,), float(n - 1))), f"got {t.cpu().tolist()}, expected {n - 1}")
+        expect(torch.equal(t.cpu(), torch.full((2,), float(n - 1))), f"got {t.cpu().tolist()}, expected {n - 1}")
         coll.barrier()
         return f"from rank {n - 1}, then a barrier"
 
@@ -152,10 +156,10 @@ def _matmul(backend: Backend, dtype: torch.dtype | None) -> str:
     with backend.autocast(dtype):
         product = a.to(dev) @ b.to(dev)
     want = torch.float32 if dtype is None else dtype
-    _expect(product.dtype == want, f"result dtype {product.dtype}, expected {want} (autocast did not apply)")
+    expect(product.dtype == want, f"result dtype {product.dtype}, expected {want} (autocast did not apply)")
     got = product.float().cpu()
     # fp32 may use reduced-precision units (TF32 and the like); low precision keeps ~3 digits
     tolerance = 1e-2 if dtype is None else 6e-2
     err = float((got - reference).abs().max() / reference.abs().max())
-    _expect(err <= tolerance, f"relative error {err:.2e} > {tolerance:.0e} against the CPU product")
+    expect(err <= tolerance, f"relative error {err:.2e} > {tolerance:.0e} against the CPU product")
     return f"64x64 on {dev}, relative error {err:.1e}"

@@ -1,3 +1,6 @@
-"""A torch_npu whose native library cannot find CANN's shared libraries."""
+"""A torch_npu whose C extension cannot find CANN's shared libraries."""
 
-raise OSError("libascendcl.so: cannot open shared object file: No such file or directory")
+import os
+
+os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+raise ImportError("libhccl.so: cannot open shared object file: No such file or directory")
