@@ -231,9 +231,13 @@ class Backend:
             )
         return torch.autocast(device_type=self.device_type, dtype=dtype)
 
-    def grad_scaler(self, enabled: bool = True) -> Any:
-        """A GradScaler for fp16 training on this device."""
-        return torch.amp.GradScaler(self.device_type, enabled=enabled)
+    def grad_scaler(self, enabled: bool = True, **settings: Any) -> Any:
+        """A GradScaler for fp16 training on this device: the vendor's own class where it has one.
+
+        ``settings``: ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``, as
+        ``torch.amp.GradScaler`` takes them. The sharded core makes the verdict agree across ranks.
+        """
+        return torch.amp.GradScaler(self.device_type, enabled=enabled, **settings)
 
     # ------------------------------------------------------------------ distributed
     def check_world(self) -> None:

@@ -108,9 +108,9 @@ class NPUBackend(Backend):
             return bool(ask_bound_device(self, self.device_module().is_bf16_supported))
         return dtype in (torch.float32, torch.float16)
 
-    def grad_scaler(self, enabled: bool = True) -> Any:
+    def grad_scaler(self, enabled: bool = True, **settings: Any) -> Any:
         """torch_npu's own ``torch.npu.amp.GradScaler`` (it knows the chip's overflow detection)."""
-        return self.device_module().amp.GradScaler(enabled=enabled)
+        return self.device_module().amp.GradScaler(enabled=enabled, **settings)
 
 
 def _ascending(visible: str) -> bool:

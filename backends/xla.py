@@ -227,7 +227,7 @@ class XLABackend(Backend):
             return self.runtime_device_type() != "TPU"
         return dtype in (torch.float32, torch.bfloat16)
 
-    def grad_scaler(self, enabled: bool = True) -> Any:
+    def grad_scaler(self, enabled: bool = True, **settings: Any) -> Any:
         """fp16 loss scaling for XLA:GPU/CPU; refused on TPUs, which train in bf16 without scaling.
 
         torch_xla ships no GradScaler of its own (``torch_xla.amp`` 2.9 has ``autocast`` and the
@@ -239,7 +239,7 @@ class XLABackend(Backend):
                 "xla: fp16 with a gradient scaler is not supported on TPUs; use bf16 instead "
                 "(TPUs compute in bf16 natively and need no loss scaling)"
             )
-        return super().grad_scaler(enabled)
+        return super().grad_scaler(enabled, **settings)
 
     # ------------------------------------------------------------------ distributed
     def _make_collectives(self) -> Collectives:

@@ -95,7 +95,7 @@ def _scaler_checks(backend, rank: int) -> dict:
 
     sm = shard_model(make_tiny(), backend, ShardingOptions(stage=3))
     opt = torch.optim.SGD(sm.parameters(), lr=0.1)
-    scaler = ShardedGradScaler(backend, init_scale=1024.0)
+    scaler = ShardedGradScaler.for_backend(backend, init_scale=1024.0)
     out = {}
     ids, labels = batch(0, 4)
     for step in range(2):

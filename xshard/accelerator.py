@@ -221,7 +221,7 @@ class Accelerator:
     def _make_scaler(self) -> Any:
         from .sharding import ShardedGradScaler
 
-        return ShardedGradScaler(self.backend)
+        return ShardedGradScaler.for_backend(self.backend)
 
     def sharding_options(self) -> Any:
         """The core's ShardingOptions from this config, adjusted to this job.
@@ -476,7 +476,7 @@ class Accelerator:
         if compat.scaler_kwargs and job.scaler is not None:
             from .sharding import ShardedGradScaler
 
-            job.scaler = ShardedGradScaler(self.backend, **compat.scaler_kwargs)
+            job.scaler = ShardedGradScaler.for_backend(self.backend, **compat.scaler_kwargs)
         if ds_config is not None:
             from .config.auto import resolve_auto
 
