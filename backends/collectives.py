@@ -195,6 +195,8 @@ class Collectives:
 
     rank: int = 0
     world_size: int = 1
+    #: where this process's collective buffers live (NCCL and HCCL move device tensors only)
+    device: torch.device = torch.device("cpu")
 
     def __init__(self) -> None:
         self.counter = CommCounter()

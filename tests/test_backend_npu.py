@@ -27,6 +27,8 @@ from xshard.backends import (
     select,
 )
 
+from xshard.sharding import ShardedGradScaler
+
 pytest_plugins = ("fakes.fixtures",)  # fixtures: fake_npu, make_fake_npu, no_torch_npu, no_xla
 
 NPU = backend_class("npu")
@@ -252,6 +254,10 @@ def _npu_job(rank: int, world_size: int) -> dict:
         ws, _ = _scaled_steps(backend.grad_scaler(), [float("inf") if rank == 1 else 1.0])
         out[f"stepped_inf_nan_{inf_nan_mode}"] = ws[0] != 1.0
         out[f"overflow_all_reduces_inf_nan_{inf_nan_mode}"] = scaler_calls.overflow_all_reduces
+        # the sharded core's scaler is torch_npu's, made to share the verdict: both ranks skip, both back off
+        sharded = ShardedGradScaler.for_backend(backend)
+        ws, scales = _scaled_steps(sharded, [float("inf") if rank == 1 else 1.0, 1.0])
+        out[f"sharded_inf_nan_{inf_nan_mode}"] = (isinstance(sharded, torch.npu.amp.GradScaler), ws, scales)
     backend.destroy_process_group()
     out["initialized_after_teardown"] = dist.is_initialized()
     return out
@@ -273,4 +279,8 @@ def test_two_process_job_on_hccl_over_gloo() -> None:
         assert out["ops"] == [str(dist.ReduceOp.AVG)]  # HCCL averages itself: no SUM-then-divide here
         assert out["stepped_inf_nan_False"] is False and out["overflow_all_reduces_inf_nan_False"] == 1
         assert out["stepped_inf_nan_True"] is (rank == 0) and out["overflow_all_reduces_inf_nan_True"] == 0
+        for mode in (False, True):
+            is_torch_npus, ws, scales = out[f"sharded_inf_nan_{mode}"]
+            assert is_torch_npus
+            assert ws == pytest.approx([1.0, 0.9]) and scales == [2.0**15, 2.0**15]  # same on both ranks
         assert out["initialized_after_teardown"] is False

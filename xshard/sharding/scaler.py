@@ -22,7 +22,6 @@ class ShardedGradScaler:
     """Mixin over a vendor GradScaler class; build one with ``ShardedGradScaler.for_backend(backend)``."""
 
     _collectives: Any
-    _agree_device: torch.device
 
     @classmethod
     def for_backend(cls, backend: Any, enabled: bool = True, **settings: Any) -> Any:
@@ -34,14 +33,18 @@ class ShardedGradScaler:
             _SUBCLASSES[base] = type(f"Sharded{base.__name__}", (cls, base), {"__module__": __name__})
         scaler.__class__ = _SUBCLASSES[base]
         scaler._collectives = backend.collectives
-        scaler._agree_device = backend.device()
         return scaler
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[no-untyped-def]
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)  # type: ignore[misc]
-        flag = torch.zeros((), dtype=torch.float32, device=self._agree_device)
+        # the verdict travels where the scaler keeps its state (the gradients' device), unless that is
+        # the host while the collectives move device tensors only (offloaded gradients on NCCL/HCCL)
+        device = found_inf.device
+        if device.type == "cpu" and self._collectives.device.type != "cpu":
+            device = self._collectives.device
+        flag = torch.zeros((), dtype=torch.float32, device=device)
         for t in per_device.values():
-            flag = torch.maximum(flag, t.to(self._agree_device, torch.float32).reshape(()))
+            flag = torch.maximum(flag, t.to(device, torch.float32).reshape(()))
         if getattr(self, "_has_overflow", False):
             flag.fill_(1.0)
         self._collectives.all_reduce(flag, op="max", tag="fp16 overflow verdict")
