@@ -37,11 +37,9 @@ class ShardedGradScaler:
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[no-untyped-def]
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)  # type: ignore[misc]
-        # the verdict travels where the scaler keeps its state (the gradients' device), unless that is
-        # the host while the collectives move device tensors only (offloaded gradients on NCCL/HCCL)
+        # the verdict travels where the scaler keeps its scale: the loss's device, the compute device
+        # (also when the gradients themselves are offloaded to the host)
         device = found_inf.device
-        if device.type == "cpu" and self._collectives.device.type != "cpu":
-            device = self._collectives.device
         flag = torch.zeros((), dtype=torch.float32, device=device)
         for t in per_device.values():
             flag = torch.maximum(flag, t.to(device, torch.float32).reshape(()))
