@@ -69,9 +69,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0, help="the same initial model and data order on every backend")
     args = parser.parse_args()
 
-    acc = xshard.Accelerator(config=args.config)
+    acc = xshard.Accelerator(config=args.config, seed=args.seed)
     model = TinyModel()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     data = synthetic_data(args.samples, 16)

@@ -131,16 +131,3 @@ def test_no_weight_decay_on_norms_and_biases():
     assert {names[id(p)] for p in decay["params"]} >= {"model.embed_tokens.weight", "lm_head.weight",
                                                        "model.layers.0.self_attn.q_proj.weight"}
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
-
-
-def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
-    for step in (5, 10, 15):
-        (tmp_path / f"checkpoint-{step}").mkdir()
-        (tmp_path / f"checkpoint-{step}" / train_loop.STATE_FILE).write_text("{}")
-    (tmp_path / "checkpoint-20.tmp").mkdir()  # a save still being written is not a checkpoint
-    (tmp_path / "checkpoint-25").mkdir()  # nor is a folder without its state file
-    assert train_loop.latest_checkpoint(tmp_path).name == "checkpoint-15"
-    deleted = train_loop.rotate_checkpoints(tmp_path, 2)
-    assert [p.name for p in deleted] == ["checkpoint-5"]
-    assert train_loop.rotate_checkpoints(tmp_path, 1)[0].name == "checkpoint-10"
-    assert (tmp_path / "checkpoint-15").is_dir() and (tmp_path / "checkpoint-20.tmp").is_dir()

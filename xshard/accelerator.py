@@ -136,22 +136,13 @@ class Accelerator:
         if self.seeded:
             self._seed_everything(self.seed)
 
-        mixed = self.config.mixed_precision  # validated by the config: no, bf16 or fp16
-        self.mixed_precision = mixed
-        self.compute_dtype: torch.dtype | None = _MIXED_DTYPES[mixed]
-        if self.compute_dtype is not None and not self.backend.supports(self.compute_dtype):
-            usable = [name for name, dtype in _MIXED_DTYPES.items() if dtype is None or self.backend.supports(dtype)]
-            raise ValueError(
-                f"mixed_precision={mixed!r}: the {self.backend.name} backend cannot compute in {self.compute_dtype}; "
-                f"use one of: {', '.join(usable)}"
-            )
         #: prepared objects, step counters and the accumulation window (see ``xshard.job``)
         self.job = JobState(
             backend=self.backend, config=self.config,
             gradient_accumulation_steps=int(self.config.gradient_accumulation_steps),
             gradient_clipping=float(self.config.gradient_clipping or 0.0),
-            scaler=self._make_scaler() if mixed == "fp16" else None,
         )
+        self._use_precision(self.config.mixed_precision)  # validated by the config: no, bf16 or fp16
         self._ended = False
         self._stale_guard = StaleParameterGuard()
         self._setup_accelerate(compat, origin, ds_config)
@@ -186,6 +177,50 @@ class Accelerator:
     def sync_gradients(self) -> bool:
         """True on micro-steps that end an accumulation window (the optimizer really steps)."""
         return self.job.sync_gradients
+
+    # ------------------------------------------------------------------ precision
+    @property
+    def mixed_precision(self) -> str:
+        """The mixed precision of the job: "no", "bf16" or "fp16"."""
+        return self._mixed_precision
+
+    @mixed_precision.setter
+    def mixed_precision(self, value: str) -> None:
+        """Choose another mixed precision before the first model is prepared (e.g. "no" where
+        ``supports`` says the device cannot compute in the one the config asks for)."""
+        if self.job.models:
+            raise ValueError("mixed_precision can only change before the first prepare(model): the prepared "
+                             "model already computes in " + repr(self._mixed_precision))
+        self._use_precision(value)
+
+    def supports(self, precision: str | torch.dtype) -> bool:
+        """Can this process's device compute in ``precision`` ("no", "bf16", "fp16" or a torch dtype)?
+
+        Asked on the device this process is bound to (never by starting a runtime elsewhere).
+        """
+        dtype = precision if isinstance(precision, torch.dtype) else _MIXED_DTYPES[_precision_name(precision)]
+        return dtype is None or dtype == torch.float32 or self.backend.supports(dtype)
+
+    def _use_precision(self, value: str) -> None:
+        name = _precision_name(value)
+        dtype = _MIXED_DTYPES[name]
+        if not self.supports(name):
+            usable = [n for n in _MIXED_DTYPES if self.supports(n)]
+            raise ValueError(f"mixed_precision={value!r}: the {self.backend.name} backend cannot compute in {dtype} "
+                             f"on this device; use one of: {', '.join(usable)} (Accelerator.supports tells which)")
+        self._mixed_precision = name
+        self.config.mixed_precision = name
+        self.compute_dtype: torch.dtype | None = dtype
+        self.job.scaler = self._make_scaler() if name == "fp16" else None
+
+    @property
+    def pad_to_multiple_of(self) -> int | None:
+        """The width token batches are padded to a multiple of, on backends that compile graphs (XLA:
+        ``static_shape_multiple``, 64 by default); None elsewhere. Prepared data loaders apply it; pass it
+        to your collator (e.g. ``DataCollatorWithPadding(pad_to_multiple_of=...)``) for loaders you
+        do not prepare."""
+        multiple = int(self.config.static_shape_multiple)
+        return multiple if self.backend.compiles_graphs and multiple > 0 else None
 
     @property
     def step(self) -> int:
@@ -315,7 +350,7 @@ class Accelerator:
             loader, self.device, num_replicas=self.world_size, rank=self.rank,
             seed=self._data_seed if self._data_seed is not None else self.seed,
             wrap=self.backend.wrap_dataloader, shard=shard, split_batches=self.job.split_batches,
-            non_blocking=self._non_blocking,
+            non_blocking=self._non_blocking, pad_to_multiple_of=self.pad_to_multiple_of,
         )
         self.job.loaders.append(prepared)
         self._fill_auto_batch(prepared)
@@ -810,6 +845,16 @@ class Accelerator:
             self._close_models()
             self.backend.destroy_process_group()
             self._ended = True
+
+
+def _precision_name(value: str) -> str:
+    """"no", "bf16" or "fp16" from any spelling the config accepts ("fp32", "bfloat16", ...)."""
+    from .config.schema import PRECISION
+
+    name = PRECISION.get(str(value).strip().lower()) if isinstance(value, str) else None
+    if name is None:
+        raise ValueError(f"mixed_precision={value!r} is not valid: use one of no, bf16, fp16")
+    return name
 
 
 def _owns(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:

@@ -127,14 +127,21 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     return batch
 
 
-def _rebuild(loader: DataLoader, sampler: Sampler[int], batch_size: int | None = None) -> DataLoader:
+def _rebuild(loader: DataLoader, sampler: Sampler[int], batch_size: int | None = None,
+             pad_to_multiple_of: int | None = None) -> DataLoader:
     """The same DataLoader with ``sampler`` in place of its own (every other setting kept but the
-    batch size, when one is given)."""
+    batch size, when one is given, and the collate function, wrapped to pad token batches to a
+    multiple of ``pad_to_multiple_of`` when one is given: ``xshard.static_shapes``)."""
+    collate_fn = loader.collate_fn
+    if pad_to_multiple_of:
+        from .static_shapes import PadToMultiple
+
+        collate_fn = PadToMultiple(collate_fn, pad_to_multiple_of)
     kwargs: dict[str, Any] = {
         "batch_size": loader.batch_size if batch_size is None else batch_size,
         "sampler": sampler,
         "num_workers": loader.num_workers,
-        "collate_fn": loader.collate_fn,
+        "collate_fn": collate_fn,
         "pin_memory": loader.pin_memory,
         "drop_last": loader.drop_last,
         "timeout": loader.timeout,
@@ -299,6 +306,7 @@ def shard_data_loader(
     shard: bool = True,
     split_batches: bool = False,
     non_blocking: bool | None = None,
+    pad_to_multiple_of: int | None = None,
 ) -> ShardedDataLoader:
     """Give ``loader`` a ``ShardSampler`` for this rank and device placement.
 
@@ -308,6 +316,8 @@ def shard_data_loader(
     places batches (for a loader the caller already sharded). ``split_batches``: ``batch_size`` is
     the global batch, and each rank takes ``batch_size / num_replicas`` of it (Accelerate's
     ``split_batches``; batch ``k`` of every rank together is batch ``k`` of the whole loader).
+    ``pad_to_multiple_of``: token batches are padded to a multiple of this width (static shapes for
+    devices that compile graphs; ``xshard.static_shapes``).
     """
     if not shard or isinstance(loader.dataset, IterableDataset):
         if shard and num_replicas > 1:
@@ -347,4 +357,5 @@ def shard_data_loader(
         len(loader.dataset), num_replicas=num_replicas, rank=rank,
         shuffle=isinstance(loader.sampler, RandomSampler), seed=seed, drop_last=loader.drop_last,
     )
-    return ShardedDataLoader(_rebuild(loader, sampler, batch_size), device, sampler, wrap, non_blocking)
+    return ShardedDataLoader(_rebuild(loader, sampler, batch_size, pad_to_multiple_of), device, sampler, wrap,
+                             non_blocking)

@@ -55,7 +55,9 @@ class StaleParameterGuard:
         for p in old_params:
             self._old[id(p)] = p
         if self._handle is None and len(self._old):
-            self._handle = torch.optim.optimizer.register_optimizer_step_pre_hook(self._check)
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._handle = register_optimizer_step_pre_hook(self._check)
 
     def remove(self) -> None:
         if self._handle is not None:

@@ -31,9 +31,7 @@ from tiny import DEFAULT_DATA, build_tiny_qwen  # noqa: E402
 from train_loop import (  # noqa: E402
     StepLog,
     decay_groups,
-    latest_checkpoint,
     make_scheduler,
-    rotate_checkpoints,
 )
 
 import xshard  # noqa: E402
@@ -56,20 +54,14 @@ def load_config(args: FinetuneArguments) -> XShardConfig:
     return XShardConfig.load(path, script_args=args)
 
 
-def choose_precision(config: XShardConfig, args: FinetuneArguments) -> str:
-    """The mixed precision to run: --bf16/--fp16 win over the file; bf16 only where the device has it."""
-    from xshard.backends import select
-
+def choose_precision(acc: xshard.Accelerator, config: XShardConfig, args: FinetuneArguments) -> None:
+    """--bf16/--fp16 win over the file; bf16 only where the device has it (else fp32, with a warning)."""
     wanted = args.mixed_precision if args.mixed_precision != "no" else config.mixed_precision
-    if wanted == "no":
-        return "no"
-    backend = select(None if config.backend == "auto" else config.backend).cls()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[wanted]
-    if not backend.supports(dtype):
+    if wanted != "no" and not acc.supports(wanted):
         log.warning("%s was asked for, but the %s backend cannot compute in it here: training in fp32 instead",
-                    wanted, backend.name)
-        return "no"
-    return wanted
+                    wanted, acc.backend.name)
+        wanted = "no"
+    acc.mixed_precision = wanted
 
 
 def build_model(args: FinetuneArguments, acc: xshard.Accelerator, data_path: Path) -> tuple[Any, Any]:
@@ -95,24 +87,24 @@ def build_model(args: FinetuneArguments, acc: xshard.Accelerator, data_path: Pat
     return model, tokenizer
 
 
-def resume_path(args: FinetuneArguments) -> Path | None:
-    """The checkpoint to resume from: a folder, or True for the latest complete one in --output_dir."""
+def resume(acc: xshard.Accelerator, args: FinetuneArguments) -> int:
+    """Load the checkpoint --resume_from_checkpoint names (a folder, or True for the newest complete one
+    in --output_dir); returns the optimizer step to continue from (0 when not resuming)."""
     value = args.resume_from_checkpoint
     if value is None:
-        return None
+        return 0
     try:
         latest = str_to_bool(value)
-    except ValueError:  # not a boolean word (argparse.ArgumentTypeError): a path
-        path = Path(value)
-        if not path.is_dir():
-            raise SystemExit(f"--resume_from_checkpoint {value}: no such checkpoint folder") from None
-        return path
-    if not latest:
-        return None
-    path = latest_checkpoint(args.output_dir)
-    if path is None:
-        raise SystemExit(f"--resume_from_checkpoint True: no complete checkpoint-<step> folder in {args.output_dir}")
-    return path
+    except ValueError:  # not a boolean word (argparse.ArgumentTypeError): a checkpoint folder
+        loaded = acc.load_state(value)
+    else:
+        if not latest:
+            return 0
+        loaded = acc.load_state(args.output_dir, resume_from_checkpoint=True)
+    if loaded is None:
+        raise SystemExit(f"--resume_from_checkpoint {value}: no complete checkpoint in {args.output_dir}")
+    log.info("resumed from %s at step %d", loaded, acc.step)
+    return acc.step
 
 
 def total_steps(args: FinetuneArguments, batches_per_epoch: int) -> int:
@@ -126,13 +118,13 @@ def total_steps(args: FinetuneArguments, batches_per_epoch: int) -> int:
 def train(args: FinetuneArguments) -> int:
     """Run the fine-tune; returns the number of optimizer steps done."""
     config = load_config(args)
-    precision = choose_precision(config, args)
-    overrides: dict[str, Any] = {"mixed_precision": precision}
+    overrides: dict[str, Any] = {"mixed_precision": "no"}  # chosen below, once the device is bound
     if args.gradient_checkpointing:
         overrides["activation_checkpointing"] = True
     # The HF Trainer's schedule: one step per optimizer step, whatever the process count (its loop
     # steps the scheduler itself, after each real optimizer step).
     acc = xshard.Accelerator(config=config, seed=args.seed, step_scheduler_with_optimizer=False, **overrides)
+    choose_precision(acc, config, args)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     data_path = Path(args.data_path) if args.data_path else DEFAULT_DATA
 
@@ -157,12 +149,7 @@ def train(args: FinetuneArguments) -> int:
     scheduler = make_scheduler(optimizer, args.lr_scheduler_type, steps, args.warmup_ratio)
     optimizer, scheduler = acc.prepare(optimizer, scheduler)
 
-    step = 0
-    checkpoint = resume_path(args)
-    if checkpoint is not None:
-        acc.load_state(checkpoint)
-        step = scheduler.scheduler.last_epoch  # one scheduler step per optimizer step
-        log.info("resumed from %s at step %d", checkpoint, step)
+    step = resume(acc, args)
     acc.print(f"training {steps} steps on {acc.world_size} process(es), backend {acc.backend.name}, "
               f"precision {acc.mixed_precision}, stage {acc.sharding_options().stage}, "
               f"{len(dataset)} examples, micro-batch {args.per_device_train_batch_size}, "
@@ -209,12 +196,8 @@ def train(args: FinetuneArguments) -> int:
 
 
 def save_checkpoint(acc: xshard.Accelerator, args: FinetuneArguments, step: int) -> None:
-    """``checkpoint-<step>`` in --output_dir, then the oldest beyond --save_total_limit removed."""
-    acc.save_state(Path(args.output_dir) / f"checkpoint-{step}")
-    if acc.is_main_process:
-        for path in rotate_checkpoints(args.output_dir, args.save_total_limit):
-            log.info("deleted %s (save_total_limit=%s)", path, args.save_total_limit)
-    acc.wait_for_everyone()
+    """``checkpoint-<step>`` in --output_dir; the oldest beyond --save_total_limit are removed."""
+    acc.save_state(Path(args.output_dir) / f"checkpoint-{step}", save_total_limit=args.save_total_limit)
 
 
 def save_final(acc: xshard.Accelerator, model: Any, tokenizer: Any, output_dir: str) -> None:

@@ -1,12 +1,9 @@
-"""The pieces of finetune.py's training loop that are not xshard: optimizer groups, the LR schedule,
-checkpoint folders, and the step log.
+"""The pieces of finetune.py's training loop that are not xshard: optimizer groups, the LR schedule
+and the step log (checkpoints, their rotation and resuming are xshard's ``save_state`` / ``load_state``).
 
 - ``decay_groups``: AdamW parameter groups, no weight decay on norms and biases (as the Trainer).
 - ``lr_lambda`` / ``make_scheduler``: linear, cosine, constant and constant-with-warmup schedules with
   a warmup ratio, written for ``torch.optim.lr_scheduler.LambdaLR``.
-- ``complete_checkpoints`` / ``latest_checkpoint`` / ``rotate_checkpoints``: ``checkpoint-<step>``
-  folders in the output directory. A folder counts only when complete (``save_state`` renames it into
-  place after every file is written), and rotation never deletes the newest.
 - ``StepLog``: loss, learning rate, tokens/s and memory every ``logging_steps`` optimizer steps.
 """
 
@@ -14,9 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import resource
-import shutil
 import sys
 import time
 from collections.abc import Iterable
@@ -25,9 +20,6 @@ from typing import Any
 
 import torch
 
-CHECKPOINT_PREFIX = "checkpoint-"
-_CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
-STATE_FILE = "xshard_state.json"  # written last by Accelerator.save_state
 LOG_FILE = "train_log.jsonl"
 
 
@@ -77,36 +69,6 @@ def make_scheduler(optimizer: torch.optim.Optimizer, kind: str, total_steps: int
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
-def complete_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every complete ``checkpoint-<step>`` in ``output_dir``, oldest first."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _CHECKPOINT_NAME.match(child.name)
-        if match and (child / STATE_FILE).is_file():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint in ``output_dir``, or None."""
-    found = complete_checkpoints(output_dir)
-    return found[-1][1] if found else None
-
-
-def rotate_checkpoints(output_dir: str | Path, limit: int | None) -> list[Path]:
-    """Delete the oldest complete checkpoints beyond ``limit`` (never the newest); returns those deleted."""
-    if not limit:
-        return []
-    found = complete_checkpoints(output_dir)
-    doomed = [path for _, path in found[:-1]][: max(0, len(found) - max(1, limit))]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-    return doomed
-
-
 # ---------------------------------------------------------------------------------------------- logging
 def peak_host_memory_bytes() -> int:
     """This process's lifetime peak resident memory (``ru_maxrss``: KiB on Linux, bytes on macOS)."""

@@ -107,6 +107,9 @@ class XShardConfig:
     devices: int | None = _opt(None, "processes per node (null: one per visible device)")
     num_nodes: int = _opt(1, "number of nodes")
     seed: int | None = _opt(None, "random seed for every process (null: do not seed)")
+    static_shape_multiple: int = _opt(64, "on backends that compile whole graphs (XLA): token batches are padded "
+                                          "to a multiple of this width, so there are few shapes to compile "
+                                          "(0: off)")
     timeout: float = _opt(1800.0, "seconds a collective may wait for the other ranks before the job stops with a "
                                   "message naming the ranks that never arrived (XSHARD_TIMEOUT)")
     log_level: str = _opt("info", "debug, info, warning, error or critical")
@@ -273,6 +276,7 @@ _NORMALISERS: dict[str, Any] = {
     "state_dict_type": _choice(STATE_DICT),
     "bucket_size_mb": lambda w, v: parse_float(w, v, 0.0, strict=True),
     "timeout": lambda w, v: parse_float(w, v, 0.0, strict=True),
+    "static_shape_multiple": lambda w, v: parse_int(w, v, 0),
     "gradient_accumulation_steps": _positive,
     "gradient_clipping": lambda w, v: None if v is None else (parse_float(w, v, 0.0) or None),
     "train_micro_batch_size_per_gpu": _optional(_positive),
