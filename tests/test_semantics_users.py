@@ -141,7 +141,7 @@ def _generate_worker(rank: int, world: int) -> list[int] | None:
 
 
 def test_rank0_generates_alone_inside_summon_full_params() -> None:
-    tokens = run_workers(_generate_worker, 2, timeout=120)[0]
+    tokens = run_workers(_generate_worker, 2, timeout=240)[0]
     expected = _tiny_qwen2().generate(_ids(0, 1), max_new_tokens=5, do_sample=False)[0].tolist()
     assert tokens == expected
 

@@ -19,10 +19,12 @@ from torch import nn
 class BufferSync:
     """A forward pre-hook on the root module that broadcasts rank 0's buffers (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, collectives, syncing: Callable[[], bool]) -> None:
+    def __init__(self, module: nn.Module, collectives, syncing: Callable[[], bool],
+                 alone: Callable[[], bool]) -> None:
         self.module = module
         self.collectives = collectives
         self.syncing = syncing  # False inside no_sync()
+        self.alone = alone  # True where one rank may run the model by itself (summon_full_params)
         self._handle = None
         self._sync_next = True  # decided by the previous forward, as DDP's require_forward_param_sync
         if collectives.world_size > 1 and any(True for _ in module.buffers()):
@@ -35,6 +37,8 @@ class BufferSync:
 
     @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: object) -> None:
+        if self.alone():
+            return
         if self._sync_next:
             self.broadcast()
         self._sync_next = torch.is_grad_enabled() and self.syncing()

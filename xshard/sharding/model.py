@@ -110,7 +110,8 @@ class ShardedModel(nn.Module):
         self._precision = ForwardPrecision(
             module, lambda: backend.autocast(autocast_dtype, enabled=autocast_dtype is not None),
             precision.output_dtype) if autocast_dtype is not None or precision.output_dtype is not None else None
-        self._buffers_sync = BufferSync(module, self.collectives, lambda: self._engine.sync)
+        self._summoned = False
+        self._buffers_sync = BufferSync(module, self.collectives, lambda: self._engine.sync, lambda: self._summoned)
         self._state_dict_hooks = _state_dict.StateDictHooks(self)
         # Sharded gradients must not be reduced again by a script's own step call (xm.optimizer_step
         # on XLA): the backend patches such a call while this model lives (see close()).
@@ -233,7 +234,11 @@ class ShardedModel(nn.Module):
         parameters inside are not written back.
         """
         with torch.no_grad(), self._engine.full_params_context():
-            yield
+            outer, self._summoned = self._summoned, True
+            try:
+                yield
+            finally:
+                self._summoned = outer
 
     def close(self) -> None:
         """Detach the core from the module: remove its hooks and undo backend patches (idempotent)."""
