@@ -64,7 +64,7 @@ def tpu_detected(pci_devices: Path = _PCI_DEVICES) -> bool:
     return tpu_chip_count(pci_devices) > 0
 
 
-def host_device_count(env: Mapping[str, str] | None = None, pci_devices: Path = _PCI_DEVICES) -> int | None:
+def host_device_count(env: Mapping[str, str] | None = None, pci_devices: Path | None = None) -> int | None:
     """How many processes torch_xla's launcher starts replicas for on this host, read from the
     environment and the PCI bus, never from the runtime (starting it in the launcher's process makes
     ``xmp.spawn`` refuse to run). XLA:CPU: ``CPU_NUM_DEVICES`` virtual devices (default 1); TPU: one
@@ -77,7 +77,7 @@ def host_device_count(env: Mapping[str, str] | None = None, pci_devices: Path = 
             return 1
         return int(raw) if raw.isdigit() and int(raw) > 0 else None
     if device in ("", "TPU"):
-        return tpu_chip_count(pci_devices) or None
+        return tpu_chip_count(_PCI_DEVICES if pci_devices is None else pci_devices) or None
     return None
 
 

@@ -192,17 +192,12 @@ def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
 
-#: keys of an accelerate config file that `accelerate launch` reads, and the option each one fills
-ACCELERATE_LAUNCH_KEYS = {"machine_rank": "--machine_rank", "main_process_ip": "--main_process_ip",
-                          "main_process_port": "--main_process_port", "gpu_ids": "--gpu_ids"}
-
-
 def accelerate_launch_keys(path: str | os.PathLike) -> dict[str, Any]:
     """The launch settings of an accelerate config file (machine rank, main process address and port,
     GPU ids; "all" GPUs is no restriction); empty for any other kind of config file."""
     import yaml
 
-    from xshard.config.fsdp import ACCELERATE_MARKERS
+    from xshard.config.fsdp import ACCELERATE_LAUNCH_KEYS, ACCELERATE_MARKERS
 
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
@@ -211,7 +206,7 @@ def accelerate_launch_keys(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(data, dict) or not ACCELERATE_MARKERS & set(data):
         return {}
     found: dict[str, Any] = {}
-    for key, option in ACCELERATE_LAUNCH_KEYS.items():
+    for key in sorted(ACCELERATE_LAUNCH_KEYS):  # each one fills the option of the same name
         value = data.get(key)
         if value is None or value == "" or (key == "gpu_ids" and str(value).strip().lower() == "all"):
             continue
@@ -219,7 +214,7 @@ def accelerate_launch_keys(path: str | os.PathLike) -> dict[str, Any]:
             try:
                 found[key] = int(value)
             except (TypeError, ValueError):
-                raise LaunchError(f"{path}: {key}={value!r} is not a whole number (it sets {option})") from None
+                raise LaunchError(f"{path}: {key}={value!r} is not a whole number (it sets --{key})") from None
         else:
             found[key] = str(value)
     return found
