@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from .collectives import Collectives
-from .communication import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, CommunicationAPI, as_timedelta
+from .communication import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, CommunicationAPI
 from .device import DeviceAPI, StepPatch
 from .errors import WorldEnvironmentError
 
@@ -184,9 +184,6 @@ class Backend(DeviceAPI, CommunicationAPI):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.world.rank}, world_size={self.world.world_size})"
-
-
-_as_timedelta = as_timedelta  # former private name
 
 
 @contextlib.contextmanager

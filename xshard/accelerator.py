@@ -71,7 +71,8 @@ class Accelerator:
         config: an xshard config file (or a DeepSpeed ``ds_config.json`` / accelerate FSDP yaml),
             a dict, an ``XShardConfig``, or None (defaults; ``XSHARD_CONFIG`` and ``XSHARD_*``
             environment variables apply in every case).
-        backend: "auto" | "cpu" | "cuda" | "npu" | "mps" | "xla"; None follows ``XSHARD_BACKEND``.
+        backend: "auto" | "cpu" | "cuda" | "npu" | "mps" | "xla" or a registered backend's name; None follows
+            ``XSHARD_BACKEND``.
         seed: seeds torch, the device, ``random`` and numpy on every rank (the same seed, so every
             rank builds the same initial model) and the data loaders' shuffles (default: the
             config's ``seed``). Without a seed nothing is seeded, the shuffle seed is 0, and
