@@ -9,15 +9,28 @@ Selection (``select``):
    xla, npu, cuda, mps, cpu.
    npu comes before cuda because torch_npu's ``transfer_to_npu`` patches ``torch.cuda`` to point at
    the NPU; xla comes first because a TPU VM may also expose other devices.
+
+Backends that live outside this package (see backends/README.md) are chosen by name only, never by
+``auto``. They join the registry in one of two ways:
+
+- ``register_backend("name", MyBackend)`` or ``register_backend("name", "my_pkg.module:MyBackend")``
+  in the process that uses it (the script, before the Accelerator is built);
+- an installed package's entry point in the group ``xshard.backends`` (``name = "my_pkg.module:MyBackend"``
+  in its ``[project.entry-points."xshard.backends"]``), which every process finds by itself,
+  `xshard launch` and `xshard env` included.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import logging
 import os
+import re
+import threading
 from dataclasses import dataclass
 
-from .base import Backend, World
+from .base import Backend, StepPatch, World
 from .collectives import Collectives, CommCounter, DistCollectives, Handle, SingleProcessCollectives
 from .errors import (
     BackendConflictError,
@@ -32,37 +45,140 @@ from .vendor import VendorImport, import_vendor
 from .visible_devices import apply_visible_devices, parse_devices, visible_devices_value
 
 ENV_VAR = "XSHARD_BACKEND"
+log = logging.getLogger("xshard.backends")
 
-#: name -> (module, class); modules are imported only when the backend is probed or used
-_REGISTRY: dict[str, tuple[str, str]] = {
-    "xla": ("xla", "XLABackend"),
-    "npu": ("npu", "NPUBackend"),
-    "cuda": ("cuda", "CUDABackend"),
-    "mps": ("mps", "MPSBackend"),
-    "cpu": ("cpu", "CPUBackend"),
+#: the built-in backends: name -> "module:Class"; modules are imported only when probed or used
+_BUILTIN: dict[str, str] = {
+    "xla": f"{__name__}.xla:XLABackend",
+    "npu": f"{__name__}.npu:NPUBackend",
+    "cuda": f"{__name__}.cuda:CUDABackend",
+    "mps": f"{__name__}.mps:MPSBackend",
+    "cpu": f"{__name__}.cpu:CPUBackend",
 }
-
-#: the documented probe order of ``auto``
+#: the documented probe order of ``auto`` (backends registered from outside never take part)
 AUTO_ORDER: tuple[str, ...] = ("xla", "npu", "cuda", "mps", "cpu")
-NAMES: tuple[str, ...] = ("auto", *_REGISTRY)
+#: ``auto`` and the built-in backends (``names()`` adds the registered ones)
+NAMES: tuple[str, ...] = ("auto", *_BUILTIN)
+#: the entry-point group through which installed packages add backends
+ENTRY_POINT_GROUP = "xshard.backends"
+
+_registered: dict[str, type[Backend] | str] = {}
+_entry_points_read = False
+_lock = threading.Lock()
+_NAME_PATTERN = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def register_backend(name: str, backend: type[Backend] | str) -> None:
+    """Add a backend that lives outside this package, selectable as ``XSHARD_BACKEND=<name>``.
+
+    ``backend`` is a ``Backend`` subclass whose ``name`` is ``name``, or ``"module:Class"`` (imported
+    when first used). Registering the same name again with the same target does nothing; another
+    target, a built-in name or ``auto`` is an error.
+    """
+    key = name.strip().lower() if isinstance(name, str) else name
+    if not isinstance(key, str) or not _NAME_PATTERN.fullmatch(key):
+        raise UnknownBackendError(
+            f"register_backend({name!r}): a backend name is lowercase letters, digits and '_', starting with a letter"
+        )
+    if key == "auto" or key in _BUILTIN:
+        raise BackendConflictError(f"register_backend({name!r}): {key!r} is a built-in name; choose another name")
+    if isinstance(backend, str):
+        if ":" not in backend:
+            raise UnknownBackendError(
+                f"register_backend({name!r}, {backend!r}): give the class as 'module:Class', e.g. 'my_pkg.toy:ToyBackend'"
+            )
+    else:
+        _check_class(key, backend, f"register_backend({name!r}, {getattr(backend, '__name__', backend)!r})")
+    with _lock:
+        known = _registered.get(key)
+        if known is not None and known != backend:
+            raise BackendConflictError(
+                f"register_backend({name!r}): {key!r} is already registered as {_describe(known)}; "
+                f"unregister_backend({key!r}) first to replace it"
+            )
+        _registered[key] = backend
+
+
+def unregister_backend(name: str) -> None:
+    """Remove a backend added with ``register_backend`` (no-op when it is not registered)."""
+    with _lock:
+        _registered.pop(name.strip().lower(), None)
+
+
+def names() -> tuple[str, ...]:
+    """Every valid value of ``XSHARD_BACKEND``: auto, the built-ins, then the registered backends."""
+    _read_entry_points()
+    return (*NAMES, *sorted(_registered))
 
 
 def backend_class(name: str) -> type[Backend]:
-    """The Backend class registered under ``name`` (one of cpu, cuda, npu, mps, xla)."""
+    """The Backend class registered under ``name`` (a built-in or a registered backend)."""
     key = _normalise(name, source="backend name")
     if key == "auto":
         raise UnknownBackendError("'auto' is a selection mode, not a backend: use select() to resolve it")
-    module, cls = _REGISTRY[key]
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+    if key in _BUILTIN:
+        return _load(_BUILTIN[key])
+    target = _registered[key]
+    if isinstance(target, str):
+        cls = _load(target, registered_as=key)
+        _check_class(key, cls, f"the backend {key!r} ({target})")
+        return cls
+    return target
+
+
+def _load(target: str, registered_as: str | None = None) -> type[Backend]:
+    module, _, attr = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        if registered_as is None:
+            raise
+        raise BackendUnavailableError(
+            f"the backend {registered_as!r} is registered as {target!r}, which cannot be loaded "
+            f"({type(exc).__name__}: {exc}): install the package that provides it, or fix the registration"
+        ) from exc
+
+
+def _check_class(key: str, cls: object, where: str) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise UnknownBackendError(f"{where}: {cls!r} is not a subclass of xshard.backends.Backend")
+    if cls.name != key:
+        raise UnknownBackendError(
+            f"{where}: the class's name attribute is {cls.name!r}; set name = {key!r} on the class "
+            "(child processes select it by that name)"
+        )
+
+
+def _describe(target: type[Backend] | str) -> str:
+    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+
+
+def _read_entry_points() -> None:
+    """Register the backends that installed packages declare in the ``xshard.backends`` group (once)."""
+    global _entry_points_read
+    if _entry_points_read:
+        return
+    _entry_points_read = True
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        key = entry.name.strip().lower()
+        if key in _BUILTIN or key == "auto" or key in _registered:
+            continue  # a built-in, or a registration made in code, wins
+        try:
+            register_backend(key, entry.value)
+        except XShardError as exc:  # one bad plugin must not break selection of the others
+            log.warning("ignoring the %s entry point %r: %s", ENTRY_POINT_GROUP, entry.name, exc)
 
 
 def _normalise(value: str, source: str) -> str:
     key = value.strip().lower()
     if key == "":
         return "auto"
-    if key not in NAMES:
+    if key in NAMES or key in _registered:
+        return key
+    valid = names()  # reads installed packages' entry points (once)
+    if key not in valid:
         raise UnknownBackendError(
-            f"{source}={value!r} is not a known backend; valid values are: {', '.join(NAMES)}"
+            f"{source}={value!r} is not a known backend; valid values are: {', '.join(valid)}"
         )
     return key
 
@@ -134,6 +250,7 @@ def get_backend(backend: str | None = None, world: World | None = None) -> Backe
 
 __all__ = [
     "AUTO_ORDER",
+    "ENTRY_POINT_GROUP",
     "ENV_VAR",
     "NAMES",
     "Backend",
@@ -145,6 +262,7 @@ __all__ = [
     "Handle",
     "Selection",
     "SingleProcessCollectives",
+    "StepPatch",
     "UnknownBackendError",
     "VendorImport",
     "VisibleDevicesError",
@@ -156,8 +274,11 @@ __all__ = [
     "backend_class",
     "get_backend",
     "import_vendor",
+    "names",
     "parse_devices",
     "probe",
+    "register_backend",
     "select",
+    "unregister_backend",
     "visible_devices_value",
 ]

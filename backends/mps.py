@@ -17,6 +17,7 @@ import logging
 import torch
 
 from .base import Backend, World
+from .launchers.single import SingleLauncher
 
 log = logging.getLogger("xshard.backends")
 
@@ -65,8 +66,9 @@ class MPSBackend(Backend):
             "MPS runs as a single process; for a multi-process run on this machine use XSHARD_BACKEND=cpu"
         )
 
-    def launcher(self) -> str:
-        return "single"
+    def launcher(self) -> SingleLauncher:
+        """One process (``max_world_size``)."""
+        return SingleLauncher(self)
 
     def device_count(self) -> int:
         return 1 if self.is_available() else 0

@@ -19,15 +19,18 @@ import logging
 import os
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from .base import Backend, World
+from .base import Backend, StepPatch, World
 from .collectives import Collectives
 from .xla_collectives import XLACollectives, XLASingleReplicaCollectives, xla_model
+
+if TYPE_CHECKING:
+    from .launchers.xla import XLALauncher
 
 log = logging.getLogger("xshard.backends")
 
@@ -40,20 +43,43 @@ _TPU_PCI_DEVICES = frozenset({"0x0027", "0x005e", "0x0062", "0x0063", "0x006f", 
 _PCI_DEVICES = Path("/sys/bus/pci/devices")
 
 
-def tpu_detected(pci_devices: Path = _PCI_DEVICES) -> bool:
-    """Is a Google TPU chip on this machine's PCI bus? (No torch_xla import, no runtime start.)"""
+def tpu_chip_count(pci_devices: Path = _PCI_DEVICES) -> int:
+    """How many Google TPU chips are on this machine's PCI bus (no torch_xla import, no runtime start)."""
     try:
         entries = list(pci_devices.iterdir())
     except OSError:
-        return False
+        return 0
+    chips = 0
     for entry in entries:
         try:
             vendor = (entry / "vendor").read_text().strip().lower()
             if vendor == _GOOGLE_PCI_VENDOR and (entry / "device").read_text().strip().lower() in _TPU_PCI_DEVICES:
-                return True
+                chips += 1
         except OSError:
             continue
-    return False
+    return chips
+
+
+def tpu_detected(pci_devices: Path = _PCI_DEVICES) -> bool:
+    """Is a Google TPU chip on this machine's PCI bus? (No torch_xla import, no runtime start.)"""
+    return tpu_chip_count(pci_devices) > 0
+
+
+def host_device_count(env: Mapping[str, str] | None = None, pci_devices: Path | None = None) -> int | None:
+    """How many processes torch_xla's launcher starts replicas for on this host, read from the
+    environment and the PCI bus, never from the runtime (starting it in the launcher's process makes
+    ``xmp.spawn`` refuse to run). XLA:CPU: ``CPU_NUM_DEVICES`` virtual devices (default 1); TPU: one
+    per chip. None for other PJRT devices, which torch_xla counts itself."""
+    env = os.environ if env is None else env
+    device = env.get("PJRT_DEVICE", "").strip().upper()
+    if device == "CPU":
+        raw = env.get("CPU_NUM_DEVICES", "").strip()
+        if not raw:
+            return 1
+        return int(raw) if raw.isdigit() and int(raw) > 0 else None
+    if device in ("", "TPU"):
+        return tpu_chip_count(_PCI_DEVICES if pci_devices is None else pci_devices) or None
+    return None
 
 
 def install_hint() -> str:
@@ -111,6 +137,7 @@ class XLABackend(Backend):
     vendor_module = "torch_xla"
     #: XLA tensors have no storage to resize: the core replaces a freed full parameter's ``.data``
     frees_storage_by_resize: ClassVar[bool] = False
+    #: every new input shape is a new graph to compile
     compiles_graphs: ClassVar[bool] = True
 
     def __init__(self, world: World | None = None) -> None:
@@ -181,6 +208,10 @@ class XLABackend(Backend):
     def device_count(self) -> int:
         return int(_runtime().addressable_device_count())
 
+    def host_device_count(self) -> int | None:
+        """From the environment and the PCI bus (see ``host_device_count``): never the runtime."""
+        return host_device_count()
+
     def device(self, local_rank: int | None = None) -> torch.device:
         """This replica's XLA device. ``local_rank`` is ignored: PJRT binds each replica to its device."""
         import torch_xla
@@ -242,9 +273,12 @@ class XLABackend(Backend):
         return super().grad_scaler(enabled, **settings)
 
     # ------------------------------------------------------------------ distributed
+    def local_collectives(self) -> Collectives:
+        return XLASingleReplicaCollectives()
+
     def _make_collectives(self) -> Collectives:
         if self.world.world_size == 1:
-            return XLASingleReplicaCollectives()
+            return self.local_collectives()
         # XLA:CPU replicas are threads that compile their own copies of each graph (see
         # XLACollectives.channel_ids); TPU replicas keep torch_xla's defaults (pinned layouts).
         return XLACollectives(
@@ -308,8 +342,11 @@ class XLABackend(Backend):
 
         return MpDeviceLoader(loader, self.device())
 
-    def launcher(self) -> str:
-        return "xla"
+    def launcher(self) -> XLALauncher:
+        """torch_xla's own launcher, one process per local chip (see ``launchers/xla.py``)."""
+        from .launchers.xla import XLALauncher
+
+        return XLALauncher(self)
 
     def optimizer_step_patch(self) -> OptimizerStepPatch:
         """Make ``xm.optimizer_step`` a plain step while a sharded model is active (undo: ``restore``)."""
@@ -326,7 +363,7 @@ class XLABackend(Backend):
         return facts
 
 
-class OptimizerStepPatch:
+class OptimizerStepPatch(StepPatch):
     """``xm.optimizer_step`` replaced by ``optimizer.step(**optimizer_args)`` then a graph sync.
 
     Scripts written for torch_xla's data parallelism call ``xm.optimizer_step(optimizer)``, which
@@ -349,7 +386,7 @@ class OptimizerStepPatch:
     _announced = False  # log the first patched call once per process
 
     def __init__(self) -> None:
-        self.active = True
+        super().__init__()
         with OptimizerStepPatch._lock:
             xm = xla_model()
             if OptimizerStepPatch._holders == 0:
@@ -389,12 +426,6 @@ class OptimizerStepPatch:
                     "xm.optimizer_step was replaced again after xshard patched it; leaving the newer "
                     "replacement in place (undo patches in the reverse order of applying them)"
                 )
-
-    def __enter__(self) -> OptimizerStepPatch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.restore()
 
 
 def _step_without_reduce(optimizer: torch.optim.Optimizer, optimizer_args: dict | None) -> Any:

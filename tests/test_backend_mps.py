@@ -44,7 +44,7 @@ def test_one_process_needs_no_process_group(clean_env) -> None:
     backend = MPS(World())
     backend.init_process_group()
     assert isinstance(backend.collectives, SingleProcessCollectives)
-    assert backend.device() == torch.device("mps") and backend.launcher() == "single"
+    assert backend.device() == torch.device("mps") and backend.launcher().name == "single"
     assert backend.dist_backend is None
 
 

@@ -12,6 +12,7 @@ import pytest
 from distributed import free_port
 from xshard.backends import Backend, Selection
 from xshard.backends.errors import XShardError
+from xshard.backends.launchers import SingleLauncher, XLALauncher
 
 from xshard.cli.launch import LaunchError, LaunchOptions, plan_launch
 
@@ -128,7 +129,7 @@ def test_a_node_whose_peers_never_join_gives_up_after_the_join_timeout(worker, t
 
 def test_cpu_defaults_to_one_process_and_standalone_rendezvous(worker, clean_env):
     plan = plan_launch(LaunchOptions(script=str(worker), backend="cpu"))
-    assert plan.launcher == "torchrun" and plan.nproc == 1
+    assert plan.launcher.name == "torchrun" and plan.nproc == 1
     assert "--standalone" in plan.argv and plan.argv[-1] == str(worker) and plan.script_args == []
     assert plan.env["XSHARD_BACKEND"] == "cpu"
 
@@ -193,7 +194,7 @@ class _FakeSingle(_FakeDevices):
     max_world_size = 1
 
     def launcher(self):
-        return "single"
+        return SingleLauncher(self)
 
     def world_size_hint(self):
         return "this device runs one process"
@@ -203,7 +204,7 @@ class _FakeXLA(_FakeDevices):
     name = "fakexla"
 
     def launcher(self):
-        return "xla"
+        return XLALauncher(self)
 
 
 def _with_backend(monkeypatch, cls):
@@ -230,7 +231,7 @@ def test_device_backends_default_to_all_devices_and_map_devices_to_their_variabl
 def test_a_one_device_backend_refuses_more_processes(worker, clean_env):
     _with_backend(clean_env, _FakeSingle)
     plan = plan_launch(LaunchOptions(script=str(worker), nproc=1))
-    assert plan.launcher == "single" and plan.argv == [sys.executable, "-u", str(worker)]
+    assert plan.launcher.name == "single" and plan.argv == [sys.executable, "-u", str(worker)]
     assert plan_launch(LaunchOptions(script=str(worker), script_args=["--x"])).script_args == ["--x"]
     with pytest.raises(LaunchError, match="at most 1 process.*asks for 2: this device runs one process"):
         plan_launch(LaunchOptions(script=str(worker), nproc=2))
@@ -239,7 +240,7 @@ def test_a_one_device_backend_refuses_more_processes(worker, clean_env):
 def test_xla_uses_its_own_launcher_per_host(worker, clean_env):
     _with_backend(clean_env, _FakeXLA)
     plan = plan_launch(LaunchOptions(script=str(worker), script_args=["--lr", "1"]))
-    assert plan.launcher == "xla" and plan.nproc == 4
+    assert plan.launcher.name == "xla" and plan.nproc == 4
     assert plan.argv == [str(worker)] and plan.script_args == ["--lr", "1"]
     with pytest.raises(LaunchError, match="every host of the TPU slice"):
         plan_launch(LaunchOptions(script=str(worker), nnodes=2, master_port=1))

@@ -37,7 +37,7 @@ def test_identity_and_world_come_from_the_runtime(backend: XLABackend) -> None:
     assert backend.world.rank == 0 and backend.world.world_size == 1 and backend.world.local_rank == 0
     assert backend.device().type == "xla"
     assert backend.device_count() == 1
-    assert backend.launcher() == "xla"
+    assert backend.launcher().name == "xla"
     assert backend.frees_storage_by_resize is False
     assert backend.runtime_device_type() == "CPU"
     backend.init_process_group()  # no c10d group for XLA: a no-op that must not fail

@@ -5,11 +5,32 @@ The device layer lives in the top-level ``backends/`` folder and installs as ``x
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
 import importlib.util
 import sys
 from pathlib import Path
 
 __version__ = "0.1.0"
+
+
+class _SourceTreeBackends(importlib.abc.MetaPathFinder):
+    """Finds ``xshard.backends`` in a source tree's top-level ``backends/`` folder.
+
+    Going through the import system (rather than executing the module by hand) keeps its module
+    lock: replicas that are threads of one process (XLA:CPU) may import ``xshard.backends`` at the
+    same moment, and each must wait until the module is complete.
+    """
+
+    def __init__(self, name: str, folder: Path) -> None:
+        self.name, self.folder = name, folder
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None):
+        if fullname != self.name:
+            return None
+        return importlib.util.spec_from_file_location(
+            fullname, self.folder / "__init__.py", submodule_search_locations=[str(self.folder)]
+        )
 
 
 def _bind_backends_from_source_tree() -> None:
@@ -29,15 +50,8 @@ def _bind_backends_from_source_tree() -> None:
         return
     if not in_source_tree:
         return
-    spec = importlib.util.spec_from_file_location(
-        f"{__name__}.backends", folder / "__init__.py", submodule_search_locations=[str(folder)]
-    )
-    if spec is None or spec.loader is None:
-        return
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    globals()["backends"] = module  # as the import system does for a submodule it finds itself
+    sys.meta_path.insert(0, _SourceTreeBackends(f"{__name__}.backends", folder))
+    importlib.import_module(f"{__name__}.backends")  # bound as an attribute of xshard, as before
 
 
 _bind_backends_from_source_tree()

@@ -48,8 +48,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from . import grads, metrics, project, saving, tracking
-from .accelerate_args import AccelerateSettings, config_origin, read_accelerate_args
 from .backends import Backend, select
+from .config.accelerate_args import AccelerateSettings, config_origin, read_accelerate_args
 from .data import ShardedDataLoader, shard_data_loader
 from .job import JobState
 from .log import get_logger, progress, setup_logging
@@ -77,7 +77,8 @@ class Accelerator:
         config: an xshard config file (or a DeepSpeed ``ds_config.json`` / accelerate FSDP yaml),
             a dict, an ``XShardConfig``, or None (defaults; ``XSHARD_CONFIG`` and ``XSHARD_*``
             environment variables apply in every case).
-        backend: "auto" | "cpu" | "cuda" | "npu" | "mps" | "xla"; None follows ``XSHARD_BACKEND``.
+        backend: "auto" | "cpu" | "cuda" | "npu" | "mps" | "xla" or a registered backend's name; None follows
+            ``XSHARD_BACKEND``.
         seed: seeds torch, the device, ``random`` and numpy on every rank (the same seed, so every
             rank builds the same initial model) and the data loaders' shuffles (default: the
             config's ``seed``). Without a seed nothing is seeded, the shuffle seed is 0, and
@@ -91,7 +92,7 @@ class Accelerator:
             ``split_batches``, ``dataloader_config``, ``step_scheduler_with_optimizer``,
             ``log_with``, ``project_dir``, ``project_config``, ``kwargs_handlers``,
             ``gradient_accumulation_plugin``, ``fsdp_plugin``, ``deepspeed_plugin``, ...), read as
-            ``xshard.accelerate_args`` describes; the ones with no meaning here are named in one
+            ``xshard.config.accelerate_args`` describes; the ones with no meaning here are named in one
             warning.
     """
 

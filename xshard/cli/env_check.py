@@ -1,23 +1,23 @@
 """`xshard env --check`: the self-test a user runs on real hardware.
 
-``run_checks`` starts the process group (one process, or the world torchrun started), runs each
-collective and compares with the expected values, also on views at storage offsets, runs a matmul in
-fp32 and in every low precision the device supports against the same product on the CPU, a training
-step in each of those precisions (fp16 with the backend's own GradScaler, including an overflowing
-step), and a ZeRO-3 step of a two-unit model against plain PyTorch (see ``env_check_training``).
+``run_checks`` has the backend start its process group (a real one-rank group for one process, so
+that the collective library itself runs; or the world torchrun started), runs each of the backend's
+collectives and compares with the expected values, also on views at storage offsets, runs a matmul
+in fp32 and in every low precision the device supports against the same product on the CPU, a
+training step in each of those precisions (fp16 with the backend's own GradScaler, including an
+overflowing step), and a ZeRO-3 step of a two-unit model against plain PyTorch (see
+``env_check_training``).
 """
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from xshard.backends import Backend, DistCollectives, World
+from xshard.backends import Backend, Collectives
 from xshard.cli.env_check_training import CheckFailed, expect, stage3_check, train_step_check, views_check
 
 
@@ -46,15 +46,14 @@ def run_checks(backend: Backend, timeout: float = 60.0) -> list[CheckResult]:
             results.append(CheckResult(name, False, message))
             return False
 
-    started: list[bool] = []
-    grouped = check("process_group", lambda: _start_group(backend, timeout, started))
     world = backend.world
-    n = dist.get_world_size() if dist.is_initialized() else world.world_size
+    grouped = check("process_group", lambda: _start_group(backend, timeout))
     if grouped:
-        collectives = _collectives_for(backend)
-        for name, fn in _collective_checks(backend, collectives, world):
+        collectives = backend.collectives
+        for name, fn in _collective_checks(backend, collectives):
             check(name, fn)
-        check("collectives_on_views", lambda: views_check(backend, collectives, n, world.rank))
+        check("collectives_on_views",
+              lambda: views_check(backend, collectives, collectives.world_size, world.rank))
     else:
         for name in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "collectives_on_views"):
             results.append(CheckResult(name, False, "not run: the process group did not start"))
@@ -71,41 +70,22 @@ def run_checks(backend: Backend, timeout: float = 60.0) -> list[CheckResult]:
         results.append(CheckResult("stage3_two_units", False, "not run: the process group did not start"))
     check("synchronize", lambda: (backend.synchronize(), "device queue drained")[1])
     try:
-        if started and dist.is_initialized():
-            dist.destroy_process_group()
         backend.destroy_process_group()
     except Exception as exc:
         results.append(CheckResult("teardown", False, f"{type(exc).__name__}: {exc}"))
     return results
 
 
-def _start_group(backend: Backend, timeout: float, started: list[bool]) -> str:
+def _start_group(backend: Backend, timeout: float) -> str:
+    backend.init_process_group(timeout=timeout, always=True)
     world = backend.world
-    if backend.dist_backend is not None and world.world_size == 1 and not dist.is_initialized():
-        # One process: still start a real one-rank group of this backend's kind, so that the
-        # collective library (NCCL, HCCL, gloo) itself is exercised, not skipped.
-        backend.set_device()
-        dist.init_process_group(
-            backend.dist_backend, store=dist.HashStore(), rank=0, world_size=1,
-            timeout=datetime.timedelta(seconds=timeout), **backend.process_group_options(),
-        )
-        started.append(True)
-    else:
-        backend.init_process_group(timeout=timeout)
-    if dist.is_initialized():
-        return f"{dist.get_backend()}: rank {dist.get_rank()} of {dist.get_world_size()}"
+    if backend.dist_backend is not None:
+        return f"{backend.dist_backend}: rank {world.rank} of {world.world_size}"
     return f"no c10d process group ({backend.name} collectives, {world.world_size} process(es))"
 
 
-def _collectives_for(backend: Backend):
-    if dist.is_initialized():
-        return DistCollectives(native_avg=backend.native_avg, **backend.collective_options())
-    return backend.collectives
-
-
-def _collective_checks(backend: Backend, coll, world: World) -> list[tuple[str, Callable[[], str]]]:
-    n = dist.get_world_size() if dist.is_initialized() else world.world_size
-    rank = world.rank
+def _collective_checks(backend: Backend, coll: Collectives) -> list[tuple[str, Callable[[], str]]]:
+    n, rank = coll.world_size, backend.world.rank
     dev = backend.device()
 
     def all_reduce() -> str:

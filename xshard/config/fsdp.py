@@ -172,6 +172,8 @@ _DISTRIBUTED = ("FSDP", "DEEPSPEED", "NO", "MULTI_GPU", "MULTI_NPU", "MULTI_CPU"
 _ACCELERATE_DEFAULTS = {"compute_environment": ("LOCAL_MACHINE",), "main_training_function": ("main",),
                         "rdzv_backend": ("static",), "same_network": (True,), "machine_rank": (0,),
                         "gpu_ids": ("all",), "downcast_bf16": ("no",), "dynamo_backend": ("NO", "no")}
+#: launch settings: `xshard launch --config_file` reads them (xshard.cli.launch.accelerate_launch_keys)
+ACCELERATE_LAUNCH_KEYS = frozenset({"machine_rank", "main_process_ip", "main_process_port", "gpu_ids"})
 _DS_PLUGIN_HARMLESS = {"zero3_init_flag": (False,), "deepspeed_multinode_launcher": ("standard",)}
 
 
@@ -236,7 +238,7 @@ def read_accelerate(data: Mapping[str, Any], reading: Reading,
         elif key == "use_cpu":
             if parse_bool(key, value):
                 reading.set("backend", "cpu", key)
-        elif key in ("distributed_type", "num_machines"):
+        elif key in ("distributed_type", "num_machines") or key in ACCELERATE_LAUNCH_KEYS:
             continue
         elif not (_empty(value) or harmless(value, _ACCELERATE_DEFAULTS.get(key, ()))):
             reading.ignore(key)

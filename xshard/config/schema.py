@@ -34,7 +34,8 @@ from typing import Any
 
 import yaml
 
-from xshard.backends import NAMES as BACKEND_NAMES
+from xshard.backends import NAMES as BUILTIN_BACKENDS
+from xshard.backends import names as backend_names
 from xshard.config.auto import ScriptArgs, resolve_auto
 from xshard.config.deepspeed import MARKERS as DS_MARKERS
 from xshard.config.deepspeed import read_deepspeed
@@ -61,8 +62,6 @@ ENV_PREFIX = "XSHARD_"
 ALIASES = {"xla_fsdp_grad_ckpt": "activation_checkpointing"}
 PRECISION = {"no": "no", "fp32": "no", "float32": "no", "bf16": "bf16", "bfloat16": "bf16",
              "fp16": "fp16", "float16": "fp16"}
-#: the backend registry's names (auto and every registered backend)
-BACKENDS = {name: name for name in BACKEND_NAMES}
 LOG_LEVELS = {name: name for name in ("debug", "info", "warning", "error", "critical")}
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -103,7 +102,7 @@ class XShardConfig:
                                               "(checked: micro x accumulation x world size)")
     optimizer: dict[str, Any] | None = _opt(None, 'optimizer for the script: {type: AdamW, params: {lr: ...}}')
     scheduler: dict[str, Any] | None = _opt(None, "scheduler for the script: {type: WarmupDecayLR, params: ...}")
-    backend: str = _opt("auto", "hardware: auto, xla, npu, cuda, mps, cpu")
+    backend: str = _opt("auto", f"hardware: {', '.join(BUILTIN_BACKENDS)}, or a registered backend's name")
     devices: int | None = _opt(None, "processes per node (null: one per visible device)")
     num_nodes: int = _opt(1, "number of nodes")
     seed: int | None = _opt(None, "random seed for every process (null: do not seed)")
@@ -283,7 +282,8 @@ _NORMALISERS: dict[str, Any] = {
     "train_batch_size": _optional(_positive),
     "optimizer": parse_section,
     "scheduler": parse_section,
-    "backend": _choice(BACKENDS),
+    # asked at validation time: backends registered after import (register_backend) count too
+    "backend": lambda w, v: parse_choice(w, v, {name: name for name in backend_names()}),
     "devices": lambda w, v: None if v is None or is_auto(v) else _positive(w, v),
     "num_nodes": _positive,
     "seed": _optional(lambda w, v: parse_int(w, v, 0)),

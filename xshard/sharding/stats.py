@@ -1,8 +1,9 @@
 """Model-state accounting: bytes of parameters, gradients and optimizer state held by this rank.
 
 Bytes are classified as ``device`` or ``offloaded``. A tensor on a different device type than the
-compute device is offloaded; when the compute device is itself the CPU (CPU backend) nothing can
-be told apart by location, so the offload policy decides: master shards, gradient shards and
+compute device is offloaded; when the compute device is itself the host (CPU backend: offloaded
+shards then sit on the compute device's type) nothing can be told apart by location, so the offload
+policy decides: master shards, gradient shards and
 optimizer state count as offloaded when ``offload_params``/``offload_optimizer`` is on. Full
 compute copies of parameters and full gradients always count as device bytes.
 """
@@ -37,8 +38,9 @@ def state_bytes(model: Any) -> dict[str, int]:
         out[kind] += n
         if t is not None and t.device.type != rt.device.type:
             where = "offloaded"
-        else:
-            where = "offloaded" if by_policy_offloaded and rt.device.type == "cpu" else "device"
+        else:  # where the compute device is the host itself, location tells nothing: the policy does
+            host_is_device = rt.shard_device.type == rt.device.type
+            where = "offloaded" if by_policy_offloaded and host_is_device else "device"
         out[where] += n
 
     if model.units:

@@ -31,7 +31,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from .config.values import Reading, parse_bool, parse_choice, parse_float, parse_int, parse_stage
+from .values import Reading, parse_bool, parse_choice, parse_float, parse_int, parse_stage
 
 #: Accelerate's constructor arguments (taken out of ``**kwargs``; the rest are xshard config fields)
 ACCELERATE_ARGS = (
@@ -148,7 +148,7 @@ def _dataloader_config(config: Any, out: AccelerateSettings) -> None:
 
 
 def _project(config: Any, project_dir: Any, ignored: list[str]) -> Any:
-    from .utils import ProjectConfiguration
+    from ..utils import ProjectConfiguration
 
     project = config if config is not None else ProjectConfiguration(project_dir=None)
     if project_dir is not None and getattr(project, "project_dir", None) is None:
@@ -199,7 +199,7 @@ def _fsdp_plugin(plugin: Any, out: AccelerateSettings) -> None:
     """Map a FullyShardedDataParallelPlugin's fields onto config fields (as the accelerate yaml's)."""
     if plugin is None:
         return
-    from .config.fsdp import read_fsdp_options
+    from .fsdp import read_fsdp_options
 
     options: dict[str, Any] = {}
     for name in _FSDP_FIELDS:
@@ -261,7 +261,7 @@ def _deepspeed_plugin(plugin: Any, out: AccelerateSettings) -> None:
 
 def read_source(source: Any, env: Mapping[str, str]) -> Any:
     """The data of a config source (a path or a mapping; ``XSHARD_CONFIG`` when None), or None."""
-    from .config.schema import _read_bytes, parse_text
+    from .schema import _read_bytes, parse_text
 
     if source is None:
         source = env.get("XSHARD_CONFIG") or None
@@ -274,7 +274,7 @@ def read_source(source: Any, env: Mapping[str, str]) -> Any:
 
 def config_origin(source: Any, env: Mapping[str, str]) -> tuple[str, dict[str, Any] | None]:
     """("deepspeed", the ds_config as a dict) when ``source`` is DeepSpeed's, else ("xshard", None)."""
-    from .config.deepspeed import MARKERS
+    from .deepspeed import MARKERS
 
     data = read_source(source, env)
     if not isinstance(data, Mapping):

@@ -1,0 +1,156 @@
+"""The communication role of a Backend: the job's process group and its collectives.
+
+``CommunicationAPI`` implements the torch.distributed (c10d) default that cpu, cuda and npu share:
+``init_process_group`` from torchrun's environment contract, ``collectives`` over the default group,
+``local_collectives()`` for a world of one. A backend without a c10d group (XLA) overrides the
+collectives it builds; ``backends/README.md`` lists the members and their rules.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch.distributed as dist
+
+from .collectives import Collectives, DistCollectives, SingleProcessCollectives
+from .errors import WorldEnvironmentError, WorldSizeError
+
+if TYPE_CHECKING:
+    from .base import World
+
+log = logging.getLogger("xshard.backends")
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = "29500"
+
+
+class CommunicationAPI:
+    """Process group, collectives and the world-size rules. Mixed into ``Backend``."""
+
+    #: torch.distributed backend name, or None when the backend has no c10d process group
+    dist_backend: ClassVar[str | None] = None
+    #: does the process group implement ReduceOp.AVG? (NCCL yes; gloo, XLA: SUM then divide)
+    native_avg: ClassVar[bool] = False
+    #: the most processes one job may have (MPS: 1), None for no limit
+    max_world_size: ClassVar[int | None] = None
+
+    # set by Backend
+    name: ClassVar[str]
+    world: World
+    _collectives: Collectives | None
+    _owns_process_group: bool
+    #: the process group's timeout, once started (the collectives' hang diagnosis reads it)
+    _timeout: datetime.timedelta | None = None
+
+    # ------------------------------------------------------------------ the world
+    def check_world(self) -> None:
+        """Refuse a world this backend cannot run, with the reason."""
+        if self.max_world_size is not None and self.world.world_size > self.max_world_size:
+            raise WorldSizeError(
+                f"{self.name} runs at most {self.max_world_size} process(es), but WORLD_SIZE="
+                f"{self.world.world_size}: {self.world_size_hint()}"
+            )
+
+    def world_size_hint(self) -> str:
+        """Why the world size is limited, and what to do instead."""
+        return "start fewer processes"
+
+    # ------------------------------------------------------------------ process group
+    def init_process_group(self, timeout: datetime.timedelta | float | None = None, *, always: bool = False) -> None:
+        """Join the job's process group (torchrun's env contract; one process needs no variables).
+
+        Binds the device for the local rank first, as NCCL and HCCL require. ``always=True`` starts
+        a real one-rank group even for a world of one, so that the collective library itself runs
+        (the self-test of `xshard env --check` uses it); ``collectives`` then goes through it.
+        """
+        self.check_world()
+        timeout = as_timedelta(timeout)
+        self._timeout = timeout
+        if self.world.world_size > 1 or self.dist_backend is not None:
+            self.set_device()  # the device role's
+        if self.dist_backend is None or (self.world.world_size == 1 and not always):
+            return
+        if dist.is_initialized():
+            # Someone (the user, another library) started it: use it if it is this job's world.
+            if dist.get_world_size() != self.world.world_size or dist.get_rank() != self.world.rank:
+                raise WorldEnvironmentError(
+                    f"a process group is already running as rank {dist.get_rank()} of {dist.get_world_size()}, "
+                    f"but the environment says rank {self.world.rank} of {self.world.world_size}: "
+                    "start the process group once, with the launcher's RANK and WORLD_SIZE"
+                )
+            return
+        kwargs: dict[str, Any] = {
+            "backend": self.dist_backend,
+            "rank": self.world.rank,
+            "world_size": self.world.world_size,
+        }
+        if self.world.world_size == 1:
+            kwargs["store"] = dist.HashStore()  # a world of one needs no rendezvous address
+        else:
+            os.environ.setdefault("MASTER_ADDR", DEFAULT_MASTER_ADDR)
+            os.environ.setdefault("MASTER_PORT", DEFAULT_MASTER_PORT)
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        kwargs.update(self.process_group_options())
+        dist.init_process_group(**kwargs)
+        self._owns_process_group = True
+        self._collectives = None
+        log.debug("process group %s: rank %d of %d", self.dist_backend, self.world.rank, self.world.world_size)
+
+    def process_group_options(self) -> dict[str, Any]:
+        """Extra keyword arguments for ``torch.distributed.init_process_group`` on this backend."""
+        return {}
+
+    def destroy_process_group(self) -> None:
+        """Leave the process group this backend started (no-op otherwise)."""
+        if self._collectives is not None and self._collectives.monitor is not None:
+            self._collectives.monitor.stop()
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_process_group = False
+        self._collectives = None
+
+    # ------------------------------------------------------------------ collectives
+    @property
+    def collectives(self) -> Collectives:
+        """The collectives of this job: ``local_collectives()`` for one process, c10d ones otherwise."""
+        if self._collectives is None:
+            self._collectives = self._make_collectives()
+        return self._collectives
+
+    def local_collectives(self) -> Collectives:
+        """Collectives of a world of one on this device (each operation is a local copy or no-op)."""
+        return SingleProcessCollectives()
+
+    def _make_collectives(self) -> Collectives:
+        if self.world.world_size == 1 and not self._owns_process_group:
+            return self.local_collectives()
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"{self.name}: WORLD_SIZE={self.world.world_size} but no process group is running: "
+                "call backend.init_process_group() (Accelerator does this) first"
+            )
+        timeout = self._timeout.total_seconds() if self._timeout is not None else None
+        return DistCollectives(native_avg=self.native_avg, device=self.device(), timeout=timeout,  # type: ignore[attr-defined]
+                               **self.collective_options())
+
+    def collective_options(self) -> dict[str, Any]:
+        """Per-backend choices of how DistCollectives implements each operation."""
+        return {}
+
+
+def as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedelta | None:
+    """A process-group timeout given as seconds or a timedelta; None keeps torch's default."""
+    if timeout is None:
+        return None
+    if not isinstance(timeout, datetime.timedelta):
+        try:
+            timeout = datetime.timedelta(seconds=float(timeout))
+        except (TypeError, ValueError):
+            raise ValueError(f"timeout={timeout!r} is not a number of seconds or a timedelta") from None
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout={timeout} must be positive (seconds, or a timedelta)")
+    return timeout

@@ -1,0 +1,173 @@
+"""The device role of a Backend: where tensors live and how one device computes.
+
+``DeviceAPI`` declares every device capability the core and the Accelerator may use, each with a
+default that suits an eager torch device reached through ``torch.<device_type>`` (cuda, npu, mps).
+A backend overrides only what differs; ``backends/README.md`` lists the members and their rules.
+Nothing here knows about processes or collectives (see ``communication.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from .errors import BackendUnavailableError
+
+if TYPE_CHECKING:
+    from .base import World
+
+
+class StepPatch:
+    """A scoped change to how a script's own optimizer-step call behaves while a sharded model lives.
+
+    The default patch changes nothing. ``restore()`` undoes the patch (idempotent); the object is
+    also a context manager that restores on exit. A backend whose vendor has a step call that would
+    reduce gradients again (XLA's ``xm.optimizer_step``) returns a subclass that replaces it.
+    """
+
+    def __init__(self) -> None:
+        self.active = True
+
+    def restore(self) -> None:
+        """Undo the patch (nothing to undo here); calling it again does nothing."""
+        self.active = False
+
+    def __enter__(self) -> StepPatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+class DeviceAPI:
+    """Device, RNG, memory, dtypes, autocast, grad scaler and the per-step training hooks.
+
+    Mixed into ``Backend``; the defaults use ``torch.<device_type>``. Members that take no
+    ``local_rank`` work on this process's device (``world.local_rank``).
+    """
+
+    #: torch device type ("cuda", "npu", "xla", "mps", "cpu")
+    device_type: ClassVar[str] = ""
+    #: can a full parameter be freed by resizing its storage to 0 (eager devices)? False where
+    #: tensors have no storage to resize (XLA): the core then replaces the tensor instead
+    frees_storage_by_resize: ClassVar[bool] = True
+    #: does the device compile whole graphs (XLA)? Then each new tensor shape is a new compilation,
+    #: so the data path should keep shapes static (pad batches to a few fixed widths)
+    compiles_graphs: ClassVar[bool] = False
+
+    # set by Backend
+    name: ClassVar[str]
+    visible_devices_env: ClassVar[str | None]
+    world: World
+
+    # ------------------------------------------------------------------ devices
+    def device_module(self) -> Any:
+        """The torch.<device_type> module (torch.cuda, torch.npu, torch.mps)."""
+        return getattr(torch, self.device_type)
+
+    def device_count(self) -> int:
+        """Number of devices visible to this process."""
+        return int(self.device_module().device_count())
+
+    def host_device_count(self) -> int | None:
+        """How many processes "one per device" means on this host, asked by `xshard launch` before
+        any rank starts. It must not start the vendor runtime in the launcher's process (XLA: torch_xla
+        refuses to start replicas after that). None when only the vendor's launcher can tell."""
+        return self.device_count()
+
+    def device(self, local_rank: int | None = None) -> torch.device:
+        """The device this process computes on."""
+        index = self.world.local_rank if local_rank is None else local_rank
+        return torch.device(self.device_type, index)
+
+    def set_device(self, local_rank: int | None = None) -> None:
+        """Bind this process to its device; called before the process group starts."""
+        index = self.world.local_rank if local_rank is None else local_rank
+        count = self.device_count()
+        if index >= count:
+            raise BackendUnavailableError(
+                f"{self.name}: local rank {index} needs device {index}, but only {count} "
+                f"{self.device_type} device(s) are visible"
+                + (f" ({self.visible_devices_env}={os.environ[self.visible_devices_env]!r})"
+                   if self.visible_devices_env and self.visible_devices_env in os.environ else "")
+                + ": start fewer processes per node (--nproc) or make more devices visible"
+            )
+        self.device_module().set_device(index)
+
+    def synchronize(self) -> None:
+        """Wait for all queued work on this process's device."""
+        self.device_module().synchronize()
+
+    # ------------------------------------------------------------------ random numbers
+    def manual_seed(self, seed: int) -> None:
+        """Seed torch and this device's generators."""
+        torch.manual_seed(seed)
+
+    def rng_state(self) -> torch.Tensor | None:
+        """This device's RNG state (None where torch's CPU generator covers it)."""
+        return self.device_module().get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        """Restore what ``rng_state`` returned."""
+        if state is not None:
+            self.device_module().set_rng_state(state)
+
+    # ------------------------------------------------------------------ memory
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes allocated now and at peak on this process's device."""
+        mod = self.device_module()
+        return {"allocated": int(mod.memory_allocated()), "peak": int(mod.max_memory_allocated())}
+
+    def reset_peak_memory_stats(self) -> None:
+        """Start a new peak measurement."""
+        self.device_module().reset_peak_memory_stats()
+
+    # ------------------------------------------------------------------ precision
+    def supports(self, dtype: torch.dtype) -> bool:
+        """Can this device compute in ``dtype`` natively (no emulation)? fp32 always; fp16/bf16 per
+        device. Must not start the vendor runtime before ``set_device``."""
+        return dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+    def autocast(self, dtype: torch.dtype | None = None, enabled: bool = True) -> contextlib.AbstractContextManager:
+        """torch.autocast for this device's real device type (never a hard-coded "cuda")."""
+        if dtype is None or dtype == torch.float32 or not enabled:
+            return contextlib.nullcontext()
+        if not self.supports(dtype):
+            raise ValueError(
+                f"{self.name}: {dtype} is not supported on this device; use one of "
+                f"{[str(d) for d in (torch.float16, torch.bfloat16) if self.supports(d)] or ['float32 only']}"
+            )
+        return torch.autocast(device_type=self.device_type, dtype=dtype)
+
+    def grad_scaler(self, enabled: bool = True, **settings: Any) -> Any:
+        """The vendor's GradScaler instance for fp16 training on this device (default:
+        ``torch.amp.GradScaler(device_type)``). ``settings``: ``init_scale``, ``growth_factor``,
+        ``backoff_factor``, ``growth_interval``, as ``torch.amp.GradScaler`` takes them; the sharded
+        core makes the verdict agree across ranks (``xshard.sharding.ShardedGradScaler``)."""
+        return torch.amp.GradScaler(self.device_type, enabled=enabled, **settings)
+
+    # ------------------------------------------------------------------ training hooks
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step an optimizer whose gradients are already reduced (never reduce them again)."""
+        optimizer.step()
+
+    def optimizer_step_patch(self) -> StepPatch:
+        """A patch, held while a sharded model lives, that stops the vendor's own step call from
+        reducing sharded gradients again (XLA: ``xm.optimizer_step``). Default: changes nothing."""
+        return StepPatch()
+
+    def checkpoint_wrapper(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Make ``module`` recompute its activations in backward (in place; names unchanged)."""
+        from .checkpointing import checkpoint_forward
+
+        return checkpoint_forward(module)
+
+    def wrap_dataloader(self, loader: Any) -> Any:
+        """Wrap a data loader so batches arrive on this device (XLA: MpDeviceLoader)."""
+        return loader
+
+    def mark_step(self) -> None:
+        """End of a training step (XLA cuts the graph here; eager devices do nothing)."""

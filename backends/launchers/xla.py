@@ -1,0 +1,85 @@
+"""torch_xla's launcher (``xmp.spawn``): one process per local TPU chip, replicas found by the runtime.
+
+`xshard launch` never imports torch_xla's runtime in its own process: once the PJRT client starts
+there, ``xmp.spawn`` refuses to run ("Runtime is already initialized"). The launcher counts devices
+from the environment and the PCI bus (``XLABackend.host_device_count``) and starts one child,
+``xla_spawn``, which calls ``xmp.spawn`` and runs the script as ``__main__`` in each replica
+process. On a TPU pod, run `xshard launch` on every host (``gcloud ... tpu-vm ssh --worker=all``):
+torch_xla finds the other hosts itself, so ``--nnodes``/``--node_rank``/``--master_*`` do not apply.
+
+``xmp.spawn`` starts either one process or one per local device; on XLA:CPU (``PJRT_DEVICE=CPU``,
+for testing) ``--nproc N`` makes N virtual devices (``CPU_NUM_DEVICES``) whose replicas are threads
+of one process.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+
+from ..xla import cpu_replicas_env
+from .base import Launcher, LaunchError, LaunchPlan, LaunchRequest, run_child
+from .parent_death import tie_to_parent
+
+SPAWN_MODULE = f"{__package__}.xla_spawn"
+
+
+class XLALauncher(Launcher):
+    """``xmp.spawn`` in one child process (tied to the launcher), the script in each replica."""
+
+    name = "xla"
+
+    def plan(self, request: LaunchRequest) -> LaunchPlan:
+        if request.nnodes != 1 or request.node_rank != 0 or request.master_port is not None:
+            raise LaunchError(
+                "--nnodes/--node_rank/--master_port do not apply to the xla launcher: run `xshard launch` on "
+                "every host of the TPU slice; torch_xla finds the other hosts itself"
+            )
+        env = dict(request.env)
+        nproc = request.nproc
+        on_cpu = request.parent_env.get("PJRT_DEVICE", "").strip().upper() == "CPU"
+        count = self.backend.host_device_count()
+        if request.nproc_given and nproc not in (1, count):
+            if on_cpu and "CPU_NUM_DEVICES" not in request.parent_env:
+                env["CPU_NUM_DEVICES"] = str(nproc)  # N virtual XLA:CPU devices, one replica each
+            elif on_cpu:
+                raise LaunchError(
+                    f"--nproc {nproc}: CPU_NUM_DEVICES={request.parent_env['CPU_NUM_DEVICES']} makes "
+                    f"{count} XLA:CPU device(s), and torch_xla starts either 1 replica or one per device: "
+                    f"use --nproc 1 or {count}, or change CPU_NUM_DEVICES"
+                )
+            else:
+                devices = f"one per local device ({count})" if count is not None else "one per local device"
+                raise LaunchError(
+                    f"--nproc {nproc}: torch_xla starts either 1 process or {devices}; "
+                    "leave --nproc out, or use --devices to choose the chips"
+                )
+        if on_cpu and nproc is not None and nproc > 1:
+            # every replica thread needs its own execution-pool thread (see cpu_replicas_env)
+            pool = cpu_replicas_env(nproc)["XLA_THREAD_POOL_SIZE"]
+            if "XLA_THREAD_POOL_SIZE" not in request.parent_env:
+                env["XLA_THREAD_POOL_SIZE"] = pool
+        return LaunchPlan(self, request.backend, nproc, env, list(request.command), list(request.script_args))
+
+    def run(self, plan: LaunchPlan) -> int:
+        # "1": one replica in the spawning process; "all": one process per local device (the only
+        # multi-process value torch_xla accepts; its count follows the environment set above).
+        replicas = "1" if plan.nproc == 1 else "all"
+        return run_child([sys.executable, "-u", "-m", SPAWN_MODULE, replicas, *plan.argv, *plan.script_args])
+
+
+def run_script(index: int, command: Sequence[str], spawner_pid: int) -> None:
+    """Run the user's script (``[path, args...]`` or ``["-m", module, args...]``) as ``__main__`` in
+    one replica process; a replica process dies with the process that spawned it."""
+    if os.getpid() != spawner_pid:
+        tie_to_parent(spawner_pid)
+    if command[0] == "-m":
+        sys.argv = [command[1], *command[2:]]
+        runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+        return
+    script = command[0]
+    sys.argv = list(command)
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` sets it
+    runpy.run_path(script, run_name="__main__")

@@ -1,0 +1,56 @@
+"""The process the xla launcher starts: ``xmp.spawn`` of the user's script.
+
+    python -m xshard.backends.launchers.xla_spawn 1|all SCRIPT [ARGS...]
+    python -m xshard.backends.launchers.xla_spawn 1|all -m MODULE [ARGS...]
+
+``1`` runs one replica in this process; ``all`` one process per local device (each dies with this
+one). The exit code is the script's (``sys.exit(n)`` in a replica included); a replica's exception
+is printed with its traceback and exits 1. SIGINT or SIGTERM here stops the replica processes with
+SIGTERM (their replicas are threads, which only a process-wide signal stops) and exits 128 + N.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+
+
+def main(argv: list[str]) -> int:
+    """Spawn the replicas and wait for them; the job's exit code."""
+    if len(argv) < 2 or argv[0] not in ("1", "all"):
+        print("usage: xla_spawn 1|all SCRIPT [ARGS...]", file=sys.stderr)
+        return 2
+    from concurrent.futures.process import BrokenProcessPool
+
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    from .xla import run_script
+
+    one = argv[0] == "1"
+    received: list[int] = []
+    if not one:  # with one replica the script runs here and receives the signal itself
+
+        def stop_replicas(signum: int, frame: object) -> None:
+            received.append(signum)
+            for child in multiprocessing.active_children():
+                try:
+                    os.kill(child.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, stop_replicas)
+    try:
+        xmp.spawn(run_script, args=(argv[1:], os.getpid()), nprocs=1 if one else None)
+    except BrokenProcessPool as exc:
+        if received:
+            return 128 + received[0]
+        print(f"xshard launch: an xla replica process died ({exc})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
