@@ -259,18 +259,22 @@ class Accelerator:
 
         return ShardedGradScaler.for_backend(self.backend)
 
-    def sharding_options(self) -> Any:
-        """The core's ShardingOptions from this config, adjusted to this job.
+    def sharding_options(self, model: torch.nn.Module | None = None) -> Any:
+        """The core's ShardingOptions from this config, adjusted to this job (and to ``model``).
 
         - Mixed precision: the model computes under autocast in the compute dtype (stages 1-3 also
           with compute copies in it) and returns floating outputs in fp32, as Accelerate does.
-        - Unseeded multi-process jobs broadcast rank 0's initial weights (``sync_module_states``),
-          as DDP does, since each rank built its model from different random numbers.
+        - Multi-process jobs broadcast rank 0's initial weights (``sync_module_states``), as DDP does
+          at construction: seeds alone do not make ranks agree where replicas share one process
+          (XLA:CPU's replica threads draw from one generator) or a script seeds per rank. A model
+          whose parameters are still on the meta device (loaded shard by shard) is filled from its
+          checkpoint on every rank instead.
         """
         opts = self.config.to_sharding_options()
         if opts.param_dtype is not None:
             opts.output_dtype = torch.float32
-        if not self.seeded and self.world_size > 1:
+        materialized = model is None or not any(p.is_meta for p in model.parameters())
+        if self.world_size > 1 and materialized:
             opts.sync_module_states = True
         return opts
 
@@ -307,7 +311,8 @@ class Accelerator:
 
         if any(model is m for m in self.job.models):
             return model
-        sharded = model if isinstance(model, ShardedModel) else shard_model(model, self.backend, self.sharding_options())
+        sharded = model if isinstance(model, ShardedModel) else shard_model(
+            model, self.backend, self.sharding_options(model))
         self.job.models.append(sharded)
         replaced = sharded.rebound_parameters
         if replaced:
