@@ -73,3 +73,31 @@ def test_qwen_example_compilations_stay_flat_after_warm_up(tmp_path: Path) -> No
     assert padded[7] == padded[-1], f"still compiling after warm-up: {padded}"
     unpadded = _compiles(tmp_path, 8, 0)  # what the padding prevents: a new graph per new width
     assert unpadded[-1] > unpadded[3] and unpadded[-1] > padded[7], (unpadded, padded)
+
+
+def _rebind_run(pass_optimizer: bool) -> str:
+    """A script whose optimizer is built before prepare; passed to prepare or not."""
+    return (
+        "import torch, xshard\n"
+        "from xshard.rebind import StaleParameterError\n"
+        "acc = xshard.Accelerator(seed=0, stage=3)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        + ("model, opt = acc.prepare(model, opt)\n" if pass_optimizer else "model = acc.prepare(model)\n")
+        + "before = [p.detach().cpu().clone() for p in model.parameters()]\n"
+        "acc.backward(model(torch.randn(8, 4, device=acc.device)).pow(2).mean())\n"
+        "try:\n"
+        "    opt.step()\n"
+        "except StaleParameterError as exc:\n"
+        "    print('REFUSED', exc)\n"
+        "else:\n"
+        "    changed = any(not torch.equal(b, p.detach().cpu()) for b, p in zip(before, model.parameters()))\n"
+        "    print('CHANGED' if changed else 'UNCHANGED')\n"
+    )
+
+
+def test_an_optimizer_built_before_prepare_trains_the_device_parameters_or_is_refused() -> None:
+    pytest.importorskip("torch_xla")
+    assert "CHANGED" in _run([sys.executable, "-c", _rebind_run(True)], XLA_ENV)
+    refused = _run([sys.executable, "-c", _rebind_run(False)], XLA_ENV)
+    assert "REFUSED" in refused and "accelerator.prepare(model, optimizer)" in refused
