@@ -74,7 +74,9 @@ class FSDPPluginView:
 
     @property
     def reshard_after_forward(self) -> bool:
-        return int(self._config.stage) == 3
+        from .sharding.plan import ShardingPlan
+
+        return ShardingPlan.for_stage(self._config.stage).reshard_after_forward
 
     @property
     def backward_prefetch(self) -> Any:
@@ -222,7 +224,9 @@ class AcceleratorState:
         acc = self._acc
         if self._origin == "deepspeed":
             return DistributedType.DEEPSPEED
-        if int(acc.config.stage) >= 1:
+        from .sharding.plan import ShardingPlan
+
+        if ShardingPlan.for_stage(acc.config.stage).shard_parameters:
             return DistributedType.FSDP
         if acc.world_size == 1:
             return DistributedType.NO

@@ -119,7 +119,9 @@ class XShardConfig:
         self._check_consistency()
 
     def _check_consistency(self) -> None:
-        if self.stage == 0 and (self.offload_params or self.offload_optimizer):
+        from xshard.sharding.plan import ShardingPlan
+
+        if not ShardingPlan.for_stage(self.stage).shard_parameters and (self.offload_params or self.offload_optimizer):
             raise XShardConfigError(
                 "offload_params/offload_optimizer need stage 1, 2 or 3 (there is no shard to offload at "
                 "stage 0); raise stage or turn offload off", ("stage", "offload_params", "offload_optimizer"))

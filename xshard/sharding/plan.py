@@ -94,6 +94,12 @@ class ShardingPlan:
     precision: Precision
 
     @classmethod
+    def for_stage(cls, stage: int | str) -> ShardingPlan:
+        """The plan of ZeRO stage ``stage`` with every other option at its default (for code that
+        only needs to know what a stage does: config checks, estimates, reports)."""
+        return cls.from_options(ShardingOptions(stage=stage))
+
+    @classmethod
     def from_options(cls, options: ShardingOptions) -> ShardingPlan:
         """The plan for ``options`` (the only place that reads ``options.stage``)."""
         stage = int(options.stage)
