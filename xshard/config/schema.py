@@ -93,7 +93,9 @@ class XShardConfig:
     offload_optimizer: bool = _opt(False, "keep optimizer state in host memory (the optimizer steps on the CPU)")
     activation_checkpointing: bool = _opt(False, "recompute each unit's activations in backward "
                                                  "(alias: xla_fsdp_grad_ckpt)")
-    state_dict_type: str = _opt("full", "checkpoints: full (one state dict), sharded (one file per rank), local")
+    state_dict_type: str = _opt("full", "checkpoints: full (one plain model.safetensors), sharded (model rows per "
+                                        "rank, no gather): both resume on any world size and stage; local "
+                                        "(optimizer as saved per rank): same world size and stage only")
     sync_module_states: bool = _opt(False, "broadcast rank 0's parameters and buffers before sharding")
     bucket_size_mb: float = _opt(25.0, "all-reduce bucket size at stage 0, in MiB")
     gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step")
