@@ -62,10 +62,14 @@ def consolidate(checkpoint: str | Path, out: str | Path, model_index: int = 0) -
     export, weights = output_files(out)
     manifest = read_manifest(folder)
     state = consolidated_state_dict(folder, model_index)
-    weights.parent.mkdir(parents=True, exist_ok=True)
-    if export is not None and model_index == 0 and "config.json" in manifest.get("files", {}):
-        with atomic_path(export / "config.json") as tmp:
-            shutil.copyfile(verify_file(folder, "config.json", manifest), tmp)
-    with slow_progress(f"writing {weights.name}") as bar, atomic_path(weights) as tmp, open(tmp, "wb") as f:
-        write_safetensors(HashingFile(f, bar.update), state, {"format": "pt"})
+    config = verify_file(folder, "config.json", manifest) if "config.json" in manifest.get("files", {}) else None
+    try:
+        weights.parent.mkdir(parents=True, exist_ok=True)
+        if export is not None and model_index == 0 and config is not None:
+            with atomic_path(export / "config.json") as tmp:
+                shutil.copyfile(config, tmp)
+        with slow_progress(f"writing {weights.name}") as bar, atomic_path(weights) as tmp, open(tmp, "wb") as f:
+            write_safetensors(HashingFile(f, bar.update), state, {"format": "pt"})
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {weights}: {exc.strerror or exc}; pick another output path") from exc
     return weights
