@@ -73,3 +73,44 @@ def test_a_missing_or_empty_folder_is_an_error_naming_it_unless_missing_ok(tmp_p
         assert results["present"] == ("loaded", os.path.join(root, "checkpoints", "checkpoint-2"))
         assert results["a_checkpoint_itself"] == ("loaded", os.path.join(root, "checkpoints", "checkpoint-2"))
         assert step == 2
+
+
+def _fallback_worker(rank, world_size, root):
+    import logging
+
+    out = os.path.join(root, "out")
+    acc, model, opt, loader, sched = _job(world_size)
+    _steps(acc, model, opt, loader, sched, 2)
+    acc.save_state(os.path.join(out, "checkpoint-2"))
+    older = _plain(model)
+    _steps(acc, model, opt, loader, sched, 1)
+    acc.save_state(os.path.join(out, "checkpoint-3"))
+    if rank == 0:  # bit rot in the newest checkpoint's weights
+        path = os.path.join(out, "checkpoint-3", "model.safetensors")
+        data = bytearray(open(path, "rb").read())
+        data[-3] ^= 0xFF
+        open(path, "wb").write(bytes(data))
+    acc.wait_for_everyone()
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("xshard.checkpoint").addHandler(handler)
+    fresh, model, *_ = _job(world_size)
+    loaded = str(fresh.load_state(out, resume_from_checkpoint=True))
+    warned = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    other, *_ = _job(world_size, width=12)  # another model: an error, never a fallback
+    mismatch = _attempt(other, out, resume_from_checkpoint=True)
+    return loaded, fresh.step, _plain(model), older, warned, mismatch
+
+
+def test_a_damaged_newest_checkpoint_falls_back_loudly_to_the_previous_one(tmp_path):
+    for rank, (loaded, step, state, older, warned, mismatch) in enumerate(
+            run_workers(_fallback_worker, 2, str(tmp_path))):
+        assert loaded == str(tmp_path / "out" / "checkpoint-2") and step == 2
+        if rank == 0:
+            assert all(torch.equal(state[k], v) for k, v in older.items())
+        assert any("checkpoint-3" in m and "falling back to the previous checkpoint" in m and
+                   ("model.safetensors is corrupted" in m or "other rank(s)" in m) for m in warned), warned
+        kind, message = mismatch
+        assert kind == "error" and message.startswith("CheckpointMismatchError"), message

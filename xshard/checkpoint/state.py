@@ -52,6 +52,7 @@ from .files import (
     FileWriter,
     begin,
     commit,
+    complete_checkpoints,
     latest_checkpoint,
     load_torch,
     near_name,
@@ -258,28 +259,30 @@ def _read_everything(job: JobState, root: Path, on_bytes: Any = None) -> dict[st
     return plan
 
 
-def _ranks_where(job: JobState, flag: bool) -> int:
-    """How many ranks have ``flag`` set (every rank gets the same answer)."""
+def _ranks_where(job: JobState, *flags: bool) -> list[int]:
+    """For each flag, how many ranks have it set (every rank gets the same answer)."""
     if job.world_size == 1:
-        return int(flag)
-    count = torch.tensor([1.0 if flag else 0.0], device=job.backend.device())
+        return [int(f) for f in flags]
+    count = torch.tensor([1.0 if f else 0.0 for f in flags], device=job.backend.device())
     job.backend.collectives.all_reduce(count, op="sum")
-    return int(count.item())
+    return [int(c) for c in count.tolist()]
 
 
 def _agree(job: JobState, error: BaseException | None, root: Path) -> None:
-    """Every rank learns whether any rank failed to read the checkpoint, so all raise or none does."""
-    failed = _ranks_where(job, error is not None)
+    """Every rank learns whether any rank failed to read the checkpoint, so all raise or none does,
+    and all raise the same kind of error (a mismatch with the job, or a bad or missing file)."""
+    failed, mismatched = _ranks_where(job, error is not None, isinstance(error, CheckpointMismatchError))
     if error is not None:
         raise error
     if failed:
-        raise CheckpointError(f"{root}: {failed} other rank(s) could not read this checkpoint (their error is in "
-                              "their log); nothing was loaded")
+        kind = CheckpointMismatchError if mismatched else CheckpointError
+        raise kind(f"{root}: {failed} other rank(s) could not read this checkpoint (their error is in their log); "
+                   "nothing was loaded")
 
 
 def _present_everywhere(job: JobState, present: bool, root: Path) -> bool:
     """Whether the checkpoint exists for every rank; an error when only some ranks see it."""
-    seen = _ranks_where(job, present)
+    (seen,) = _ranks_where(job, present)
     if 0 < seen < job.world_size:
         raise CheckpointError(f"{root}: only {seen} of {job.world_size} ranks see a checkpoint here; every rank "
                               "must see the same folder (a shared filesystem, or a copy on every node)")
@@ -344,16 +347,35 @@ def resume(job: JobState, output_dir: str | os.PathLike, *, missing_ok: bool = F
     """Load the newest complete checkpoint under ``output_dir`` (or ``output_dir`` itself, when it is one).
 
     No complete checkpoint there is an error naming the folder; with ``missing_ok=True`` (a script's
-    first run) it is logged, nothing is loaded and None is returned.
+    first run) it is logged, nothing is loaded and None is returned. When the newest checkpoint's
+    files are damaged (truncated, corrupted, missing), a warning names the file and the next older
+    complete checkpoint is loaded instead; a checkpoint of another model or job is an error.
     """
     root = Path(output_dir)
-    path = root if (root / MANIFEST).is_file() or foreign.is_foreign_checkpoint(root) else latest_checkpoint(root)
-    if not _present_everywhere(job, path is not None, root):
+    if (root / MANIFEST).is_file() or foreign.is_foreign_checkpoint(root):
+        candidates = [root]
+    else:
+        latest = latest_checkpoint(root)  # warns about incomplete ones
+        candidates = complete_checkpoints(root)[::-1] if latest is not None else []
+    if not _present_everywhere(job, bool(candidates), root):
         if missing_ok:
             log.info("no complete checkpoint under %s (missing_ok=True): starting from scratch", root)
             return None
         raise CheckpointError(_nothing_to_resume(root))
-    return load_state(job, path)
+    for i, path in enumerate(candidates):
+        try:
+            return load_state(job, path)
+        except CheckpointMismatchError:
+            raise
+        except CheckpointError as exc:
+            if len(candidates) == 1:
+                raise
+            if i + 1 == len(candidates):
+                raise CheckpointError(f"{root}: none of its {len(candidates)} complete checkpoint(s) can be loaded; "
+                                      f"the oldest failed with: {exc}") from exc
+            log.warning("cannot load %s (%s): falling back to the previous checkpoint %s", path, exc,
+                        candidates[i + 1])
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _nothing_to_resume(root: Path) -> str:
