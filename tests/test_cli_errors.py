@@ -15,7 +15,7 @@ import pytest
 import torch
 from distributed import run_workers
 
-from xshard.cli import main, os_error_line
+from xshard.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,6 +49,8 @@ def test_estimate_of_a_broken_safetensors_file(tmp_path):
 
 
 def test_an_os_error_names_the_path_and_the_fix(tmp_path):
+    from xshard.cli import os_error_line
+
     missing = tmp_path / "no" / "such" / "file"
     line = os_error_line(FileNotFoundError(errno.ENOENT, "No such file or directory", str(missing)))
     assert line == f"{missing}: No such file or directory; the folder {missing.parent} does not exist: create it " \
