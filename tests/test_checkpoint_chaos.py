@@ -146,6 +146,7 @@ def _clean_run(out: Path, logs: Path) -> tuple[int, list[int | None]]:
     return (loaded[0] if loaded else -1), codes
 
 
+@pytest.mark.timeout(240 + 240 * TRIALS)  # a run of the job takes seconds; a loaded machine may take minutes
 def test_kills_at_random_moments_never_cost_the_run(tmp_path):
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()

@@ -50,12 +50,6 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint was written by a job that does not match this one (world size, stage, objects)."""
 
 
-def fsync_file(path: Path) -> None:
-    """Flush ``path``'s data to disk."""
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 def fsync_dir(path: Path) -> None:
     """Flush a folder's entries (new names) to disk, where the filesystem allows it."""
     try:
