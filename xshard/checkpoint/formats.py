@@ -35,7 +35,8 @@ completely: saving is per-rank and communication-free, loading reshards by slici
 plain safetensors file, and ``xshard consolidate`` needs no process group.
 
 Reading goes through a ``TensorSource`` (full-shape tensors by key, read by rows), so checkpoints
-written by other tools (``foreign.py``: Accelerate's FSDP folders) load through the same checks.
+written by other tools (``foreign.py``, ``sources.py``: Accelerate's FSDP folders) load through the same
+checks.
 """
 
 from __future__ import annotations
