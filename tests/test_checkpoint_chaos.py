@@ -118,18 +118,22 @@ def _killed_run(out: Path, logs: Path, rng: random.Random) -> dict:
     resume_step = _checkpoint_step(out)
     victim = rng.randrange(2)
     job = Job(out, logs)
-    if rng.random() < 0.2:  # a moment anywhere, start-up included
-        name, step, watch = "after_start", 0, None
+    ahead = _events_ahead(resume_step)
+    family = rng.random()
+    if family < 0.2:  # a moment anywhere, start-up included
+        name, step = "after_start", 0
         time.sleep(rng.uniform(0.0, 4.0))
-    else:  # a chosen event of either rank, then a random fraction of the next moments (mid-write)
-        name, step = rng.choice(_events_ahead(resume_step))
-        watch = rng.randrange(2)
-        job.wait_for(watch, name, step, timeout=120)
-        time.sleep(rng.choice([0.0, rng.uniform(0.0, 0.005), rng.uniform(0.0, 0.05)]))
+    else:  # an event of either rank (40%: the start of a save), then a random part of what follows it
+        saves = [e for e in ahead if e[0] == "save_begin"]
+        name, step = rng.choice(saves) if family < 0.6 and saves else rng.choice(ahead)
+        job.wait_for(rng.randrange(2), name, step, timeout=120)
+        time.sleep(rng.choice([0.0, rng.uniform(0.0, 0.005), rng.uniform(0.0, 0.05), rng.uniform(0.0, 0.2)]))
+    mid_save = any(p.name.endswith(".tmp") for p in out.iterdir())  # a save was under way
     killed = job.kill(victim)
     codes = job.wait(timeout=60)  # the survivor should fail on its own: its peer is gone
     survivor = 1 - victim
     outcome = {"resume_step": resume_step, "victim": victim, "at": f"{name} {step}", "killed": killed,
+               "mid_save": mid_save,
                "survivor_exit": codes[survivor], "survivor_exited_by_itself": codes[survivor] is not None}
     job.stop()
     outcome["checkpoint_step_after"] = _checkpoint_step(out)
@@ -177,6 +181,7 @@ def test_kills_at_random_moments_never_cost_the_run(tmp_path):
     where = collections.Counter(k["at"].split()[0] for t in trials for k in t["kills"])
     summary = {"trials": TRIALS, "seed": SEED, "kills": sum(len(t["kills"]) for t in trials),
                "kill_points": dict(where),
+               "killed_mid_save": sum(k["mid_save"] for t in trials for k in t["kills"]),
                "survivor_exited_by_itself": sum(k["survivor_exited_by_itself"] for t in trials for k in t["kills"]),
                "runs_all_equal_reference": True}
     print(json.dumps(summary))
