@@ -113,10 +113,23 @@ def _events_ahead(step: int) -> list[tuple[str, int]]:
     return ahead
 
 
+def _tmp_folders(out: Path) -> set[tuple[str, int]]:
+    """The save folders under way (or left by a killed save) under ``out``, with their inodes."""
+    found = set()
+    for p in out.iterdir():
+        try:
+            if p.name.endswith(".tmp"):
+                found.add((p.name, p.stat().st_ino))
+        except FileNotFoundError:  # renamed into place meanwhile
+            pass
+    return found
+
+
 def _killed_run(out: Path, logs: Path, rng: random.Random) -> dict:
     """One run with one rank SIGKILLed at a random moment; returns what happened."""
     resume_step = _checkpoint_step(out)
     victim = rng.randrange(2)
+    leftovers = _tmp_folders(out)
     job = Job(out, logs)
     ahead = _events_ahead(resume_step)
     family = rng.random()
@@ -128,7 +141,7 @@ def _killed_run(out: Path, logs: Path, rng: random.Random) -> dict:
         name, step = rng.choice(saves) if family < 0.6 and saves else rng.choice(ahead)
         job.wait_for(rng.randrange(2), name, step, timeout=120)
         time.sleep(rng.choice([0.0, rng.uniform(0.0, 0.005), rng.uniform(0.0, 0.05), rng.uniform(0.0, 0.2)]))
-    mid_save = any(p.name.endswith(".tmp") for p in out.iterdir())  # a save was under way
+    mid_save = bool(_tmp_folders(out) - leftovers)  # a save of this run was under way
     killed = job.kill(victim)
     codes = job.wait(timeout=60)  # the survivor should fail on its own: its peer is gone
     survivor = 1 - victim
