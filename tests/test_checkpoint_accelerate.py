@@ -1,7 +1,8 @@
 """A run moves over from Accelerate + FSDP: ``load_state`` reads the folders Accelerate's ``save_state``
 writes for an FSDP model (FULL_STATE_DICT: ``pytorch_model_fsdp.bin`` + ``optimizer.bin``;
 SHARDED_STATE_DICT: the ``pytorch_model_fsdp_0/`` and ``optimizer_0/`` torch.distributed.checkpoint
-folders; ``scheduler.bin``; ``random_states_{rank}.pkl``), on another world size and stage, and the
+folders; ``scheduler.bin``; ``random_states_{rank}.pkl``) and for a DDP model (``model.safetensors`` and
+a plain ``optimizer.state_dict()``), on another world size and stage, and the
 run continues as plain PyTorch would. The folders are written here as Accelerate writes them, by
 PyTorch's own FSDP2 and DCP on 2 gloo processes (accelerate itself is not needed)."""
 
@@ -76,6 +77,21 @@ def _fsdp_worker(rank, world_size, root):
     if rank == 0:  # the sharded folder holds the DCP folders only
         os.remove(os.path.join(sharded, "pytorch_model_fsdp.bin"))
         os.remove(os.path.join(sharded, "optimizer.bin"))
+    # A model that was not FSDP-wrapped (DDP): model.safetensors and a plain optimizer.state_dict(),
+    # its state and param groups keyed by position.
+    ddp = os.path.join(root, "ddp")
+    os.makedirs(ddp, exist_ok=True)
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file(weights, os.path.join(ddp, "model.safetensors"))
+        names = [name for group in optim["param_groups"] for name in group["params"]]
+        position = {name: i for i, name in enumerate(names)}
+        plain = {"state": {position[name]: value for name, value in optim["state"].items()},
+                 "param_groups": [{**g, "params": [position[n] for n in g["params"]]} for g in optim["param_groups"]]}
+        torch.save(plain, os.path.join(ddp, "optimizer.bin"))
+        torch.save(sched.state_dict(), os.path.join(ddp, "scheduler.bin"))
+    torch.save(rng, os.path.join(ddp, f"random_states_{rank}.pkl"))
     dist.barrier()
     return torch.rand(3)  # what the RNG of this rank gives next
 
@@ -99,7 +115,7 @@ def _reference():
 
 def _xshard_worker(rank, world_size, root, stage):
     out = {}
-    for kind in ("full", "sharded"):
+    for kind in ("full", "sharded", "ddp"):
         acc, model, opt, loader, sched = _job(world_size, stage=stage)
         acc.load_state(os.path.join(root, kind))
         draws = torch.rand(3)
@@ -135,7 +151,7 @@ def test_accelerate_fsdp_folders_resume_on_any_world_size_and_stage(accelerate_f
     ref_losses, ref_state = _reference()
     results = run_workers(_xshard_worker, world_size, str(tmp_path), stage)
     for rank, out in enumerate(results):
-        for kind in ("full", "sharded"):
+        for kind in ("full", "sharded", "ddp"):
             losses, state, rng, step = out[kind]
             assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6), kind  # weights and Adam moments
             for key, value in ref_state.items() if rank == 0 else ():  # full weights gather on rank 0
