@@ -143,7 +143,7 @@ def _killed_run(out: Path, logs: Path, rng: random.Random) -> dict:
         time.sleep(rng.choice([0.0, rng.uniform(0.0, 0.005), rng.uniform(0.0, 0.05), rng.uniform(0.0, 0.2)]))
     mid_save = bool(_tmp_folders(out) - leftovers)  # a save of this run was under way
     killed = job.kill(victim)
-    codes = job.wait(timeout=60)  # the survivor should fail on its own: its peer is gone
+    codes = job.wait(timeout=15)  # the survivor fails on its own once it meets its peer in a collective
     survivor = 1 - victim
     outcome = {"resume_step": resume_step, "victim": victim, "at": f"{name} {step}", "killed": killed,
                "mid_save": mid_save,
