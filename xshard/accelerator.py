@@ -781,7 +781,8 @@ class Accelerator:
         given to ``register_for_checkpointing`` to ``directory``.
 
         Atomic: the folder appears complete or not at all. ``state_dict_type`` ("full", "local",
-        "sharded"; default: the config's) is described in ``xshard.checkpoint.formats``.
+        "sharded"; default: the config's, "full": one plain model.safetensors, resumable on any world
+        size and stage) is described in ``xshard.checkpoint.formats``.
         ``save_total_limit`` keeps only the newest N complete checkpoints in ``directory``'s parent.
         Without ``directory``, a ``ProjectConfiguration(automatic_checkpoint_naming=True)`` names it
         ``project_dir/checkpoints/checkpoint_<iteration>`` and its ``total_limit`` applies
@@ -803,17 +804,20 @@ class Accelerator:
             self.project_configuration.iteration += 1
         return path
 
-    def load_state(self, directory: str | os.PathLike | None = None, resume_from_checkpoint: bool = False,
-                   **kwargs: Any) -> Path | None:
+    def load_state(self, directory: str | os.PathLike | None = None, resume_from_checkpoint: bool = False, *,
+                   missing_ok: bool = False, **kwargs: Any) -> Path | None:
         """Restore everything ``save_state`` wrote; returns the folder loaded.
 
         With ``resume_from_checkpoint=True``, ``directory`` is the output folder that holds the
-        checkpoints: the newest complete one is loaded (incomplete ones are skipped with a warning),
-        and None is returned when there is none yet. Without ``directory``, the newest automatic
-        checkpoint of the project is loaded (see ``save_state``). A "sharded" checkpoint loads on any
-        world size and stage; "full" and "local" ones need the same world size and stage. A bad
-        checkpoint raises ``xshard.checkpoint.CheckpointError`` naming the file and key, and changes
-        nothing.
+        checkpoints: the newest complete one is loaded (incomplete ones are skipped with a warning).
+        A folder that does not exist or holds no checkpoint is an error naming it (a mistyped path
+        never restarts training from scratch); ``missing_ok=True`` instead returns None and loads
+        nothing, for a script whose first run has no checkpoint yet. Without ``directory``, the newest
+        automatic checkpoint of the project is loaded (see ``save_state``). The default ("full") and
+        "sharded" checkpoints load on any world size and stage; "local" ones need the same world
+        size and stage. A folder written by Accelerate for an FSDP model loads too. A bad
+        checkpoint raises ``xshard.checkpoint.CheckpointError`` naming the file and key, and
+        changes nothing. Accelerate's other keyword arguments are accepted and have no effect.
         """
         from .checkpoint import load_state, resume
 
@@ -823,8 +827,8 @@ class Accelerator:
                                  "automatic_checkpoint_naming=True, project_dir=...))")
             directory = project.latest(self.project_configuration)
         if resume_from_checkpoint:
-            return resume(self.job, directory)
-        return load_state(self.job, directory)
+            return resume(self.job, directory, missing_ok=missing_ok)
+        return load_state(self.job, directory, missing_ok=missing_ok)
 
     def end(self) -> None:
         """Leave the process group and undo the prepared models' backend patches (safe to call twice)."""
