@@ -303,6 +303,9 @@ class Accelerator:
                     f"prepare() got a {type(obj).__name__}: it takes nn.Module, torch.optim.Optimizer, "
                     "torch.utils.data.DataLoader and torch.optim.lr_scheduler.LRScheduler objects"
                 )
+        for obj in out:
+            if isinstance(obj, PreparedOptimizer) and self.job.models:
+                _warn_outside_models(obj.optimizer, self.job.models)
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -870,6 +873,22 @@ def _precision_name(value: str) -> str:
 def _owns(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
     ids = {id(p) for p in model.parameters()}
     return any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
+
+
+def _warn_outside_models(optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> None:
+    """Say so at prepare time when an optimizer trains Parameters that no prepared model holds.
+
+    Such Parameters are neither sharded nor averaged over ranks (as with DDP, which syncs only its
+    module's), and ``save_state`` refuses them (their optimizer state has no model key to reshard by),
+    so the user learns it now rather than at the first save hours later.
+    """
+    known = {id(p) for model in models for p in model.parameters()}
+    outside = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in known]
+    if outside:
+        log.warning("%s holds %d parameter(s) that no prepared model holds (first of shape %s): they are not "
+                    "sharded or averaged over ranks, and save_state cannot save their optimizer state; "
+                    "make them part of a model passed to prepare()", type(optimizer).__name__, len(outside),
+                    tuple(outside[0].shape))
 
 
 def _is_prepared(obj: Any) -> bool:
