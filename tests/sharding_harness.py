@@ -128,6 +128,7 @@ def run_sharded(backend, rank: int, world_size: int, c: dict[str, Any]) -> dict[
     stats = sm.stats()
     state = sm.full_state_dict()
     return {"losses": losses, "norms": norms, "comm": comm, "stats": stats, "state": state,
+            "pieces": {k: v.clone() for k, v in sm.sharded_state_dict().items()},
             "units": [(u.name, [sp.spec.fqn for sp in u.params]) for u in sm.units]}
 
 

@@ -280,7 +280,8 @@ def from_pretrained_sharded(
         reader = BroadcastRows(files, collectives, backend.device())
     try:
         _load_buffers(model, reader, files)
-        if not ShardingPlan.from_options(options).shard_parameters:  # replicated: whole tensors
+        plan = ShardingPlan.from_options(options, collectives.world_size, backend.world.local_world_size)
+        if not plan.shard_parameters:  # replicated: whole tensors
             fill_parameters(model, reader)
             sharded = shard_model(model, backend, options)
         else:

@@ -70,11 +70,15 @@ class FSDPPluginView:
     def sharding_strategy(self) -> Any:
         from torch.distributed.fsdp import ShardingStrategy
 
-        return ShardingStrategy[self._STRATEGY[int(self._config.stage)]]
+        stage = int(self._config.stage)
+        if self._config.shard_group_size is not None and stage in (2, 3):
+            return ShardingStrategy["HYBRID_SHARD" if stage == 3 else "_HYBRID_SHARD_ZERO2"]
+        return ShardingStrategy[self._STRATEGY[stage]]
 
     @property
-    def reshard_after_forward(self) -> bool:
-        return int(self._config.stage) == 3
+    def reshard_after_forward(self) -> bool | int:
+        value = self._config.reshard_after_forward
+        return int(self._config.stage) == 3 if value is None else value
 
     @property
     def backward_prefetch(self) -> Any:

@@ -13,6 +13,8 @@ rank needs (safetensors slices: nothing else is read into memory), whatever worl
   (``optimizer.rank{R}.safetensors``): state tensors shaped like their parameter's shard (Adam's
   ``exp_avg``, ``exp_avg_sq``) are row pieces of a full-shape tensor, other state (``step``) is
   written whole by rank 0. Any world size and any stage load it: 4 -> 2 -> 1 -> 4.
+- Hybrid sharding: every shard exists once per replica (shard group); only the first replica's ranks
+  write theirs (``LocalPiece.writes``), so each row is stored once and the files read like any others.
 
 Design note, why not torch.distributed.checkpoint (DCP): DCP's save/load plans are coordinated
 through collectives (gather of every rank's plan to rank 0, then scatter), which is what times out
@@ -83,7 +85,7 @@ def write_model_rows(writer: FileWriter, i: int, model: Any) -> dict[str, Any]:
         if owner != key:  # tied: stored once, loaded under each name
             table[key] = {"same_as": owner}
             continue
-        mine = (piece.sharded or writer.rank == 0) and piece.stop > piece.start
+        mine = piece.writes and piece.stop > piece.start
         table[key] = _entry(piece.shape, piece.tensor.dtype,
                             [[name, piece.start, piece.stop]] if mine else [])
         if mine:
@@ -129,7 +131,7 @@ def write_optimizer_rows(writer: FileWriter, i: int, optimizer: torch.optim.Opti
                     continue
                 like_param = value.dim() >= 1 and tuple(value.shape) == tuple(p.shape)
                 if like_param:
-                    shape, start, stop, mine = piece.shape, piece.start, piece.stop, piece.sharded or writer.rank == 0
+                    shape, start, stop, mine = piece.shape, piece.start, piece.stop, piece.writes
                 else:
                     shape, start, stop, mine = tuple(value.shape), 0, rows_of(tuple(value.shape)), writer.rank == 0
                 mine = mine and stop > start
@@ -293,8 +295,8 @@ def check_same_job(manifest: dict[str, Any], now: dict[str, Any], folder: Path, 
         if manifest.get(key) != now[key]:
             raise CheckpointMismatchError(
                 f"{folder / MANIFEST}: key {key!r} is {manifest.get(key)!r} in the checkpoint but {now[key]!r} in this "
-                f"job; a {manifest.get('state_dict_type')!r} checkpoint resumes only with the same world size, stage "
-                "and prepared objects (save with state_dict_type='sharded' to change them)")
+                f"job; a {manifest.get('state_dict_type')!r} checkpoint resumes only with the same world size, shard "
+                "groups, stage and prepared objects (save with state_dict_type='sharded' to change them)")
 
 
 def load_rank_optimizers(folder: Path, manifest: dict[str, Any], rank: int) -> list[dict[str, Any]]:

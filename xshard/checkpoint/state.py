@@ -3,7 +3,8 @@
 A checkpoint folder holds:
 
     xshard_state.json            the manifest, written last: format version, xshard version, world size,
-                                 stage, backend, state_dict_type, step, the xshard config, row tables of
+                                 shard group size (hybrid sharding), stage, backend, state_dict_type,
+                                 step, the xshard config, row tables of
                                  every tensor, and the size and sha256 of every other file
     model*.safetensors           model weights (formats.py: full, local or sharded layout)
     optimizer*                   optimizer state (per rank, or by rows for "sharded")
@@ -63,9 +64,17 @@ log = get_logger("xshard.checkpoint")
 _COUNTS = ("models", "optimizers", "schedulers", "data_loaders", "fp16_scaler")
 
 
+def _hybrid_group(job: JobState) -> int | None:
+    """The shard group size under hybrid sharding (None: sharded over the whole world, or not at all)."""
+    sizes = {m.plan.shard_group_size for m in job.models if m.plan.shard_parameters}
+    size = min(sizes) if sizes else job.world_size
+    return None if size == job.world_size else size
+
+
 def _job(job: JobState) -> dict[str, Any]:
     return {
         "world_size": job.world_size,
+        "shard_group_size": _hybrid_group(job),
         "stage": job.stage(),
         "backend": job.backend.name,
         "models": len(job.models),
@@ -212,7 +221,7 @@ def _read_everything(job: JobState, root: Path) -> dict[str, Any]:
     if kind == "sharded":
         formats.check_same_job(manifest, now, root, _COUNTS)
     else:
-        formats.check_same_job(manifest, now, root, ("world_size", "stage", *_COUNTS))
+        formats.check_same_job(manifest, now, root, ("world_size", "shard_group_size", "stage", *_COUNTS))
     reader = formats.RowReader(root, manifest)
     tables = manifest.get("tables", {})
     plan: dict[str, Any] = {"manifest": manifest, "models": [], "optimizers": []}
