@@ -43,6 +43,8 @@ CASES = {
     "hybrid-3-keep": case(stage=3, options=dict(HYBRID, reshard_after_forward=False)),
     "stage-2-reshard": case(stage=2, options=dict(reshard_after_forward=True)),
     "stage-3-reshard-to-2": case(stage=3, options=dict(reshard_after_forward=2), reuse=True),
+    # a model built inside sharded_init: each rank rebuilds its rows of the normal init
+    "hybrid-3-sharded-init": case(stage=3, options=HYBRID, sharded_init=True),
 }
 
 

@@ -259,6 +259,20 @@ class Accelerator:
 
         return ShardedGradScaler.for_backend(self.backend)
 
+    def sharded_init(self) -> contextlib.AbstractContextManager[Any]:
+        """Build a model in code without holding it whole: ``with accelerator.sharded_init(): model =
+        MyModel()``, then ``accelerator.prepare(model, ...)`` gives each rank its rows of the values a
+        normal init gives (as DeepSpeed's ``zero.Init``; see ``xshard.sharding.sharded_init``).
+
+        Inside the block the parameters are on the meta device; an optimizer may be built on them
+        before ``prepare`` (it is rebound to the sharded parameters). A seeded job (``seed=`` or
+        ``config.seed``) rebuilds the same values on every rank; an unseeded multi-process job takes
+        rank 0's, one parameter at a time (``sync_module_states``).
+        """
+        from .sharding import sharded_init
+
+        return sharded_init()
+
     def sharding_options(self) -> Any:
         """The core's ShardingOptions from this config, adjusted to this job.
 

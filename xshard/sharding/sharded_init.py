@@ -387,7 +387,7 @@ class RecordedRows:
                 full.copy_(self._rebuild(names[0], meta))
             self.collectives.broadcast(full, src=0, tag=f"broadcast of rank 0's initial {names[0]}")
             full = full.cpu()
-        return full.reshape(1) if len(shape) == 0 else full[start:stop]
+        return full.reshape(1)[start:stop] if len(shape) == 0 else full[start:stop]
 
     def _rebuild(self, name: str, meta: torch.Tensor) -> torch.Tensor:
         try:
