@@ -17,10 +17,8 @@ all of them). backends/README.md is the written contract, with how to add a back
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -29,6 +27,7 @@ import torch
 from .collectives import Collectives
 from .communication import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, CommunicationAPI
 from .device import DeviceAPI, StepPatch
+from .environment import env_override
 from .errors import WorldEnvironmentError
 
 if TYPE_CHECKING:
@@ -185,22 +184,3 @@ class Backend(DeviceAPI, CommunicationAPI):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.world.rank}, world_size={self.world.world_size})"
-
-
-@contextlib.contextmanager
-def env_override(**values: str | None) -> Iterator[None]:
-    """Set or unset environment variables for the duration of a block (tests and the launcher)."""
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

@@ -21,16 +21,16 @@ import threading
 import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from .base import Backend, StepPatch, World
 from .collectives import Collectives
+from .launchers.xla import XLALauncher, cpu_replicas_env
 from .xla_collectives import XLACollectives, XLASingleReplicaCollectives, xla_model
 
-if TYPE_CHECKING:
-    from .launchers.xla import XLALauncher
+__all__ = ["XLABackend", "cpu_replicas_env", "install_hint", "sync_graph", "tpu_detected"]
 
 log = logging.getLogger("xshard.backends")
 
@@ -90,23 +90,6 @@ def install_hint() -> str:
         f"minor version it was built for; if no torch-xla release matches torch {major_minor}, use a "
         "separate virtual environment with a matching pair, e.g. pip install torch==2.9.0 torch-xla==2.9.0)"
     )
-
-
-def cpu_replicas_env(world_size: int) -> dict[str, str]:
-    """Environment for ``world_size`` XLA:CPU replicas, to test multi-replica code without a TPU.
-
-    torch_xla's launcher (``xmp.spawn``) then runs one thread per virtual CPU device in one
-    process. Its execution pool must hold every replica at once (``XLA_THREAD_POOL_SIZE``, by
-    default the core count): replicas left waiting for a pool thread never reach a collective the
-    others are blocked in, and XLA:CPU aborts the job after 10 seconds. Set before torch_xla starts.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
-    return {
-        "PJRT_DEVICE": "CPU",
-        "CPU_NUM_DEVICES": str(world_size),
-        "XLA_THREAD_POOL_SIZE": str(max(world_size, os.cpu_count() or 1)),
-    }
 
 
 def sync_graph() -> None:
@@ -349,8 +332,6 @@ class XLABackend(Backend):
 
     def launcher(self) -> XLALauncher:
         """torch_xla's own launcher, one process per local chip (see ``launchers/xla.py``)."""
-        from .launchers.xla import XLALauncher
-
         return XLALauncher(self)
 
     def optimizer_step_patch(self) -> OptimizerStepPatch:

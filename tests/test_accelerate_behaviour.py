@@ -199,7 +199,8 @@ def _naming_worker(rank, world_size, root):
     acc = xshard.Accelerator(stage=3, seed=0, project_config=config)
     counter = Counter()
     acc.register_for_checkpointing(counter)
-    model, opt = acc.prepare(Net(), torch.optim.SGD(Net().parameters(), lr=0.1))
+    net = Net()
+    model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     saved = []
     for n in range(3):
         counter.n = n

@@ -9,6 +9,7 @@ install; ``save`` / ``save_model`` / ``register_for_checkpointing`` behave as Ac
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 
 import pytest
@@ -107,9 +108,21 @@ def test_accelerate_own_objects_are_accepted(tmp_path):
                        gradient_accumulation_plugin=utils.GradientAccumulationPlugin(num_steps=3),
                        dataloader_config=utils.DataLoaderConfiguration(split_batches=True))
     assert acc.gradient_accumulation_steps == 3 and acc.split_batches
-    model, opt = acc.prepare(Net(), torch.optim.SGD(Net().parameters(), lr=0.1))
+    net = Net()
+    model, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
     path = acc.save_state()
     assert path == tmp_path / "checkpoints" / "checkpoint_0" and acc.save_iteration == 1
+    acc.end()
+
+
+def test_an_optimizer_over_parameters_outside_the_model_is_named_at_prepare_and_at_save(tmp_path, caplog):
+    acc = _accelerator()
+    with caplog.at_level(logging.WARNING, logger="xshard.accelerator"):
+        acc.prepare(Net(), torch.optim.SGD(Net().parameters(), lr=0.1))  # a different Net's parameters
+    assert "SGD holds 6 parameter(s) that no prepared model holds" in caplog.text
+    with pytest.raises(ValueError, match="in no prepared model: prepare the model with the optimizer"):
+        acc.save_state(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()  # nothing half-written
     acc.end()
 
 

@@ -249,8 +249,8 @@ class _remaining:
 def test_save_and_load_state_resume_mid_epoch_exactly(tmp_path):
     folder = tmp_path / "ckpt"
     expected, resumed, rest, resumed_losses, files, warned = run_workers(_checkpoint_worker, WORLD, folder)[0]
-    assert files == ["data.pt", "model.safetensors", "optimizer.rank0.pt", "optimizer.rank1.pt",
-                     "rng.rank0.pt", "rng.rank1.pt", "scheduler.pt", "xshard_state.json"]
+    assert files == ["data.pt", "model.safetensors", "optimizer.groups.pt", "optimizer.rank0.safetensors",
+                     "optimizer.rank1.safetensors", "rng.rank0.pt", "rng.rank1.pt", "scheduler.pt", "xshard_state.json"]
     assert resumed_losses == pytest.approx(rest, rel=1e-6)
     for key, value in expected.items():
         torch.testing.assert_close(resumed[key], value, rtol=0, atol=0)

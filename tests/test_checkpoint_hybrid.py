@@ -1,6 +1,7 @@
 """Checkpoints of a hybrid-sharded job (4 ranks as 2 nodes of 2): each row is written once (by the first
 replica), a sharded checkpoint loads on 4 ranks sharded plainly and on 1 rank and training goes on as
-plain PyTorch's, and a local checkpoint resumes only with the same shard groups.
+plain PyTorch's, the default (full) checkpoint's optimizer rows too, and a local checkpoint resumes only
+with the same shard groups.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _job(world_size, config):
 
 
 def _worker(rank, world_size, config, load_from, save_to, refused=None):
-    """K steps after loading ``load_from``; saves a sharded (and a local) checkpoint to ``save_to``.
+    """K steps after loading ``load_from``; saves a sharded (and a local, and a full) checkpoint to ``save_to``.
     ``refused``: a checkpoint this job must refuse (its error message is returned)."""
     from xshard.checkpoint import CheckpointError
 
@@ -47,6 +48,7 @@ def _worker(rank, world_size, config, load_from, save_to, refused=None):
     if save_to:
         acc.save_state(save_to, state_dict_type="sharded")
         acc.save_state(save_to + "-local", state_dict_type="local")
+        acc.save_state(save_to + "-full")  # the default: one model file, the optimizer by rows
     return losses, error
 
 
@@ -64,11 +66,18 @@ def test_hybrid_checkpoint_writes_rows_once_and_loads_on_4_and_1(tmp_path):
     # the local checkpoint resumes with the same shard groups
     resumed, _ = run_workers(_worker, 4, hybrid, a + "-local", None)[0]
     assert resumed == pytest.approx(ref_losses[K:2 * K], rel=1e-5, abs=1e-6)
+    # the default checkpoint resumes on one process
+    from_full, _ = run_workers(_worker, 1, {"stage": 3}, a + "-full", None)[0]
+    assert from_full == pytest.approx(ref_losses[K:2 * K], rel=1e-5, abs=1e-6)
 
     manifest = json.loads((tmp_path / "a" / "xshard_state.json").read_text())
-    assert manifest["shard_group_size"] == 2
-    for table in ("model0", "optimizer0"):
-        for key, entry in manifest["tables"][table].items():
+    full = json.loads((tmp_path / "a-full" / "xshard_state.json").read_text())
+    assert manifest["shard_group_size"] == full["shard_group_size"] == 2
+    assert {f for entry in full["tables"]["model0"].values() for f, *_ in entry.get("pieces", [])} \
+        == {"model.safetensors"}
+    for table, entries in (("model0", manifest["tables"]["model0"]), ("optimizer0", manifest["tables"]["optimizer0"]),
+                           ("full optimizer0", full["tables"]["optimizer0"])):
+        for key, entry in entries.items():
             pieces = entry.get("pieces", [])
             rows = [(lo, hi) for _, lo, hi in pieces]
             assert rows == sorted(set(rows)), (table, key)  # each row range once: replica 1 wrote nothing

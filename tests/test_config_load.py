@@ -152,7 +152,7 @@ def test_no_warning_for_a_clean_file(xshard_yaml):
 
 @pytest.mark.parametrize("content, match", [
     (b"\xff\xfe\x00garbage", "not a UTF-8 text file"),
-    (b"stage: [1, 2", "neither valid JSON nor valid YAML"),
+    (b"stage: [1, 2", r"bad.yaml, line 1, column 13: not valid YAML \(while parsing a flow sequence expected"),
     (b"- 1\n- 2\n", "must be a mapping of keys to values, not list"),
     (b'{"zero_optimization": 3}', r"zero_optimization: 3 is not valid; expected a mapping"),
 ])

@@ -210,9 +210,8 @@ class _BlindScaler(torch.amp.GradScaler):
 def test_check_catches_a_collective_that_ignores_a_view_s_offset(clean_env) -> None:
     from xshard.backends import backend_class
 
-    import xshard.cli.env_check as env_check
-
-    real = env_check._collectives_for
+    cpu = backend_class("cpu")
+    real = cpu._make_collectives
 
     def offset_blind(backend):
         coll = real(backend)
@@ -227,7 +226,7 @@ def test_check_catches_a_collective_that_ignores_a_view_s_offset(clean_env) -> N
         coll.all_reduce = all_reduce_from_storage_start
         return coll
 
-    clean_env.setattr(env_check, "_collectives_for", offset_blind)
-    results = {r.name: r for r in run_checks(backend_class("cpu")(World()))}
+    clean_env.setattr(cpu, "_make_collectives", offset_blind)
+    results = {r.name: r for r in run_checks(cpu(World()))}
     assert not results["collectives_on_views"].passed
     assert "all_reduce wrote outside its view" in results["collectives_on_views"].detail

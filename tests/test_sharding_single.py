@@ -66,9 +66,14 @@ def test_unknown_layer_class_lists_the_models_classes(backend) -> None:
     assert "DecoderLayer" in msg and "'Block'" in msg and "'TinyLM'" in msg and "'LayerNorm'" in msg
 
 
-def test_model_without_no_split_modules_needs_a_class_name(backend) -> None:
-    with pytest.raises(ValueError, match="transformer_layer_cls_to_wrap.*'Linear'.*'size' or 'none'"):
-        shard_model(torch.nn.Sequential(torch.nn.Linear(3, 3)), backend, ShardingOptions())
+def test_a_model_without_block_classes_is_split_by_size_and_the_log_says_so(backend, caplog) -> None:
+    """Any plain PyTorch model works with the default policy: size-based units instead of an error."""
+    plain = torch.nn.Sequential(torch.nn.Linear(3, 30), torch.nn.ReLU(), torch.nn.Linear(30, 3))
+    with caplog.at_level("INFO", logger="xshard.sharding"):
+        sm = shard_model(plain, backend, ShardingOptions(min_num_params=90))
+    assert [u.name for u in sm.units] == ["<root>", "0", "2"]  # the two Linears (120 and 93 parameters)
+    assert "names no block class" in caplog.text and "auto_wrap_policy='size'" in caplog.text
+    assert "'Linear'" in caplog.text  # the model's classes, to name one instead
 
 
 def test_stage0_refuses_offload(backend) -> None:

@@ -72,9 +72,16 @@ def test_xla_training_matches_cpu(backend, stage: int, checkpointing: bool) -> N
     sm.close()
 
 
-def test_cpu_model_on_xla_gets_new_parameters_with_a_warning(backend) -> None:
+def test_cpu_model_on_xla_gets_new_parameters_that_an_optimizer_is_rebound_to(backend) -> None:
+    from xshard.rebind import rebind_optimizer
+
     model = make_tiny()
-    with pytest.warns(UserWarning, match="cannot take data on xla in place.*Move the model to backend.device"):
-        sm = shard_model(model, backend, ShardingOptions(stage=3))
-    assert all(p.device.type == "xla" for p in sm.parameters())
+    old = list(dict.fromkeys(model.parameters()))
+    optimizer = torch.optim.SGD(old, lr=0.1)  # built before sharding, on the CPU Parameters
+    sm = shard_model(model, backend, ShardingOptions(stage=3))
+    new = list(dict.fromkeys(sm.parameters()))
+    assert all(p.device.type == "xla" for p in new)
+    assert all(sm.rebound_parameters.new[id(o)] is n for o, n in zip(old, new, strict=True))
+    assert rebind_optimizer(optimizer, sm.rebound_parameters.new) == len(old)
+    assert optimizer.param_groups[0]["params"] == new
     sm.close()

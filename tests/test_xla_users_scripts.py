@@ -1,7 +1,11 @@
 """The users' scripts on real torch_xla (XLA:CPU), through their own entry points.
 
-- examples/minimal.py (optimizer built before ``prepare``, as it may be) learns on XLA exactly as on
-  the CPU backend: the Parameters replaced on the device are rebound in the optimizer.
+- examples/minimal.py (optimizer built before ``prepare``, as it may be), started by ``xshard launch``
+  as the README says: on one XLA device it learns exactly as on the CPU backend (the Parameters
+  replaced on the device are rebound in the optimizer); on two XLA:CPU devices it learns as two CPU
+  processes do. Not to the last digit there: XLA:CPU's replicas are threads of one process, whose
+  models draw their random initial weights from one shared generator, so rank 0's weights (which
+  ``prepare`` broadcasts, as DDP does) are not those of a fresh ``torch.manual_seed(0)``.
 - examples/qwen_finetune/finetune.py, whose collator pads each batch to its own longest sequence:
   the Accelerator pads token batches to a multiple of 64 on XLA (``static_shape_multiple``), so the
   number of compilations stops growing after warm-up; with padding off it grows with every new width.
@@ -34,15 +38,24 @@ def _losses(output: str) -> list[float]:
     return [float(m) for m in re.findall(r"epoch \d+: loss ([0-9.]+)", output)]
 
 
+def _launch(nproc: int, env: dict[str, str]) -> list[float]:
+    cmd = [sys.executable, "-m", "xshard", "launch", "--nproc", str(nproc), "examples/minimal.py",
+           "--epochs", "3", "--samples", "256"]
+    return _losses(_run(cmd, env))
+
+
 def test_minimal_example_learns_the_same_on_xla_as_on_cpu() -> None:
     pytest.importorskip("torch_xla")
-    cmd = [sys.executable, "examples/minimal.py", "--epochs", "3", "--samples", "512"]
-    on_xla = _losses(_run(cmd, XLA_ENV))
-    on_cpu = _losses(_run(cmd, {"XSHARD_BACKEND": "cpu"}))
+    on_xla, on_cpu = _launch(1, XLA_ENV), _launch(1, {"XSHARD_BACKEND": "cpu"})
     assert len(on_xla) == len(on_cpu) == 3
     assert on_xla[-1] < 0.5 * on_xla[0], f"no learning on XLA: {on_xla}"
     for a, b in zip(on_xla, on_cpu, strict=True):
         assert abs(a - b) <= 1e-3, (on_xla, on_cpu)
+    two_xla = _launch(2, {**XLA_ENV, "CPU_NUM_DEVICES": "2"})
+    two_cpu = _launch(2, {"XSHARD_BACKEND": "cpu"})
+    for losses in (two_xla, two_cpu):
+        assert len(losses) == 3 and losses[-1] < 0.5 * losses[0], (two_xla, two_cpu)
+    assert abs(two_xla[-1] - two_cpu[-1]) <= 0.3 * two_cpu[-1], (two_xla, two_cpu)
 
 
 def _compiles(tmp_path: Path, steps: int, multiple: int) -> list[int]:
@@ -60,3 +73,31 @@ def test_qwen_example_compilations_stay_flat_after_warm_up(tmp_path: Path) -> No
     assert padded[7] == padded[-1], f"still compiling after warm-up: {padded}"
     unpadded = _compiles(tmp_path, 8, 0)  # what the padding prevents: a new graph per new width
     assert unpadded[-1] > unpadded[3] and unpadded[-1] > padded[7], (unpadded, padded)
+
+
+def _rebind_run(pass_optimizer: bool) -> str:
+    """A script whose optimizer is built before prepare; passed to prepare or not."""
+    return (
+        "import torch, xshard\n"
+        "from xshard.rebind import StaleParameterError\n"
+        "acc = xshard.Accelerator(seed=0, stage=3)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        + ("model, opt = acc.prepare(model, opt)\n" if pass_optimizer else "model = acc.prepare(model)\n")
+        + "before = [p.detach().cpu().clone() for p in model.parameters()]\n"
+        "acc.backward(model(torch.randn(8, 4, device=acc.device)).pow(2).mean())\n"
+        "try:\n"
+        "    opt.step()\n"
+        "except StaleParameterError as exc:\n"
+        "    print('REFUSED', exc)\n"
+        "else:\n"
+        "    changed = any(not torch.equal(b, p.detach().cpu()) for b, p in zip(before, model.parameters()))\n"
+        "    print('CHANGED' if changed else 'UNCHANGED')\n"
+    )
+
+
+def test_an_optimizer_built_before_prepare_trains_the_device_parameters_or_is_refused() -> None:
+    pytest.importorskip("torch_xla")
+    assert "CHANGED" in _run([sys.executable, "-c", _rebind_run(True)], XLA_ENV)
+    refused = _run([sys.executable, "-c", _rebind_run(False)], XLA_ENV)
+    assert "REFUSED" in refused and "accelerator.prepare(model, optimizer)" in refused

@@ -265,26 +265,33 @@ class Accelerator:
         normal init gives (as DeepSpeed's ``zero.Init``; see ``xshard.sharding.sharded_init``).
 
         Inside the block the parameters are on the meta device; an optimizer may be built on them
-        before ``prepare`` (it is rebound to the sharded parameters). A seeded job (``seed=`` or
-        ``config.seed``) rebuilds the same values on every rank; an unseeded multi-process job takes
-        rank 0's, one parameter at a time (``sync_module_states``).
+        before ``prepare`` (it is rebound to the sharded parameters). A multi-process job takes rank
+        0's values, rebuilt and broadcast one parameter at a time (``sync_module_states``, see
+        ``sharding_options``), so no rank ever holds the whole model.
         """
         from .sharding import sharded_init
 
         return sharded_init()
 
-    def sharding_options(self) -> Any:
-        """The core's ShardingOptions from this config, adjusted to this job.
+    def sharding_options(self, model: torch.nn.Module | None = None) -> Any:
+        """The core's ShardingOptions from this config, adjusted to this job (and to ``model``).
 
         - Mixed precision: the model computes under autocast in the compute dtype (stages 1-3 also
           with compute copies in it) and returns floating outputs in fp32, as Accelerate does.
-        - Unseeded multi-process jobs broadcast rank 0's initial weights (``sync_module_states``),
-          as DDP does, since each rank built its model from different random numbers.
+        - Multi-process jobs broadcast rank 0's initial weights (``sync_module_states``), as DDP does
+          at construction: seeds alone do not make ranks agree where replicas share one process
+          (XLA:CPU's replica threads draw from one generator) or a script seeds per rank. A model
+          whose parameters are still on the meta device (loaded shard by shard) is filled from its
+          checkpoint on every rank instead; one built under ``sharded_init`` has its values recorded,
+          so rank 0 rebuilds and broadcasts them one parameter at a time.
         """
+        from .sharding.sharded_init import recording_of
+
         opts = self.config.to_sharding_options()
         if opts.param_dtype is not None:
             opts.output_dtype = torch.float32
-        if not self.seeded and self.world_size > 1:
+        to_load = model is not None and recording_of(model) is None and any(p.is_meta for p in model.parameters())
+        if self.world_size > 1 and not to_load:
             opts.sync_module_states = True
         return opts
 
@@ -313,6 +320,9 @@ class Accelerator:
                     f"prepare() got a {type(obj).__name__}: it takes nn.Module, torch.optim.Optimizer, "
                     "torch.utils.data.DataLoader and torch.optim.lr_scheduler.LRScheduler objects"
                 )
+        for obj in out:
+            if isinstance(obj, PreparedOptimizer) and self.job.models:
+                _warn_outside_models(obj.optimizer, self.job.models)
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -321,7 +331,8 @@ class Accelerator:
 
         if any(model is m for m in self.job.models):
             return model
-        sharded = model if isinstance(model, ShardedModel) else shard_model(model, self.backend, self.sharding_options())
+        sharded = model if isinstance(model, ShardedModel) else shard_model(
+            model, self.backend, self.sharding_options(model))
         self.job.models.append(sharded)
         replaced = sharded.rebound_parameters
         if replaced:
@@ -790,7 +801,8 @@ class Accelerator:
         given to ``register_for_checkpointing`` to ``directory``.
 
         Atomic: the folder appears complete or not at all. ``state_dict_type`` ("full", "local",
-        "sharded"; default: the config's) is described in ``xshard.checkpoint.formats``.
+        "sharded"; default: the config's, "full": one plain model.safetensors, resumable on any world
+        size and stage) is described in ``xshard.checkpoint.formats``.
         ``save_total_limit`` keeps only the newest N complete checkpoints in ``directory``'s parent.
         Without ``directory``, a ``ProjectConfiguration(automatic_checkpoint_naming=True)`` names it
         ``project_dir/checkpoints/checkpoint_<iteration>`` and its ``total_limit`` applies
@@ -812,17 +824,20 @@ class Accelerator:
             self.project_configuration.iteration += 1
         return path
 
-    def load_state(self, directory: str | os.PathLike | None = None, resume_from_checkpoint: bool = False,
-                   **kwargs: Any) -> Path | None:
+    def load_state(self, directory: str | os.PathLike | None = None, resume_from_checkpoint: bool = False, *,
+                   missing_ok: bool = False, **kwargs: Any) -> Path | None:
         """Restore everything ``save_state`` wrote; returns the folder loaded.
 
         With ``resume_from_checkpoint=True``, ``directory`` is the output folder that holds the
-        checkpoints: the newest complete one is loaded (incomplete ones are skipped with a warning),
-        and None is returned when there is none yet. Without ``directory``, the newest automatic
-        checkpoint of the project is loaded (see ``save_state``). A "sharded" checkpoint loads on any
-        world size and stage; "full" and "local" ones need the same world size and stage. A bad
-        checkpoint raises ``xshard.checkpoint.CheckpointError`` naming the file and key, and changes
-        nothing.
+        checkpoints: the newest complete one is loaded (incomplete ones are skipped with a warning).
+        A folder that does not exist or holds no checkpoint is an error naming it (a mistyped path
+        never restarts training from scratch); ``missing_ok=True`` instead returns None and loads
+        nothing, for a script whose first run has no checkpoint yet. Without ``directory``, the newest
+        automatic checkpoint of the project is loaded (see ``save_state``). The default ("full") and
+        "sharded" checkpoints load on any world size and stage; "local" ones need the same world
+        size and stage. A folder written by Accelerate for an FSDP model loads too. A bad
+        checkpoint raises ``xshard.checkpoint.CheckpointError`` naming the file and key, and
+        changes nothing. Accelerate's other keyword arguments are accepted and have no effect.
         """
         from .checkpoint import load_state, resume
 
@@ -832,8 +847,8 @@ class Accelerator:
                                  "automatic_checkpoint_naming=True, project_dir=...))")
             directory = project.latest(self.project_configuration)
         if resume_from_checkpoint:
-            return resume(self.job, directory)
-        return load_state(self.job, directory)
+            return resume(self.job, directory, missing_ok=missing_ok)
+        return load_state(self.job, directory, missing_ok=missing_ok)
 
     def end(self) -> None:
         """Leave the process group and undo the prepared models' backend patches (safe to call twice)."""
@@ -875,6 +890,22 @@ def _precision_name(value: str) -> str:
 def _owns(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
     ids = {id(p) for p in model.parameters()}
     return any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
+
+
+def _warn_outside_models(optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> None:
+    """Say so at prepare time when an optimizer trains Parameters that no prepared model holds.
+
+    Such Parameters are neither sharded nor averaged over ranks (as with DDP, which syncs only its
+    module's), and ``save_state`` refuses them (their optimizer state has no model key to reshard by),
+    so the user learns it now rather than at the first save hours later.
+    """
+    known = {id(p) for model in models for p in model.parameters()}
+    outside = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in known]
+    if outside:
+        log.warning("%s holds %d parameter(s) that no prepared model holds (first of shape %s): they are not "
+                    "sharded or averaged over ranks, and save_state cannot save their optimizer state; "
+                    "make them part of a model passed to prepare()", type(optimizer).__name__, len(outside),
+                    tuple(outside[0].shape))
 
 
 def _is_prepared(obj: Any) -> bool:

@@ -196,10 +196,13 @@ def safetensors_shapes(path: Path) -> dict[str, list[int]]:
     try:
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
+            if length > path.stat().st_size - 8:  # garbage read as a length: never allocate it
+                raise ValueError(f"its header length {length} is larger than the file")
             header = json.loads(f.read(length))
-    except (OSError, struct.error, ValueError) as exc:
+        shapes = {name: [int(n) for n in info["shape"]] for name, info in header.items() if name != "__metadata__"}
+    except (OSError, struct.error, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise EstimateError(f"{path}: not a readable .safetensors file ({exc})") from exc
-    return {name: info["shape"] for name, info in header.items() if name != "__metadata__"}
+    return shapes
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

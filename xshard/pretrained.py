@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .checkpoint.progress import slow_progress
 from .log import get_logger
 from .sharding import ShardedModel, ShardingOptions, ShardingPlan, shard_model
 from .sharding.materialize import fill_parameters, fill_shards, meta_parameters
@@ -161,6 +162,18 @@ class BroadcastRows:
         self.state.clear()
 
 
+class _Counted:
+    """A row reader that moves a progress bar by the bytes of the rows it returns."""
+
+    def __init__(self, reader: Any, bar: Any) -> None:
+        self.reader, self.bar = reader, bar
+
+    def __call__(self, names: list[str], start: int, stop: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        rows = self.reader(names, start, stop, shape, dtype)
+        self.bar.update(rows.numel() * rows.element_size())
+        return rows
+
+
 def _torch_load(file: Path) -> dict[str, torch.Tensor]:
     try:
         return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
@@ -281,12 +294,13 @@ def from_pretrained_sharded(
     try:
         _load_buffers(model, reader, files)
         plan = ShardingPlan.from_options(options, collectives.world_size, backend.world.local_world_size)
-        if not plan.shard_parameters:  # replicated: whole tensors
-            fill_parameters(model, reader)
-            sharded = shard_model(model, backend, options)
-        else:
-            sharded = shard_model(model, backend, options)
-            fill_shards(sharded, reader)
+        with slow_progress(f"loading {folder.name}") as bar:
+            if not plan.shard_parameters:  # replicated: whole tensors
+                fill_parameters(model, _Counted(reader, bar))
+                sharded = shard_model(model, backend, options)
+            else:
+                sharded = shard_model(model, backend, options)
+                fill_shards(sharded, _Counted(reader, bar))
     finally:
         reader.close()
     sharded.eval()

@@ -40,11 +40,12 @@ def save_object(obj: Any, path: str | os.PathLike, safe_serialization: bool = Fa
         if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
             raise TypeError("save(..., safe_serialization=True) writes safetensors, which hold a dict of tensors "
                             f"only; got {type(obj).__name__}: use safe_serialization=False for other objects")
-        from safetensors.torch import save_file
+        from .checkpoint.tensorfile import atomic_path, write_safetensors
 
-        from .checkpoint.files import untie
-
-        save_file(untie({k: v.detach().cpu() for k, v in obj.items()}), os.fspath(path), metadata={"format": "pt"})
+        # one tensor at a time (tied tensors written once per key, as safetensors needs); a crash
+        # leaves any earlier file at ``path`` as it was
+        with atomic_path(Path(path)) as tmp, open(tmp, "wb") as file:
+            write_safetensors(file, obj, {"format": "pt"})
     else:
         torch.save(obj, path)
 

@@ -10,8 +10,8 @@ the data loaders it prepares when the backend compiles graphs (``Backend.compile
 What is padded: Hugging Face-style batches, dicts holding ``input_ids`` and ``attention_mask``. Every
 tensor of the batch whose dim 1 is the sequence width is padded on the right: ``labels`` with -100
 (ignored by the loss), everything else with 0 (``attention_mask`` 0 masks the new positions, so the
-token id there does not matter). Batches of another shape are left alone, with one log line saying
-how to keep their shapes static.
+token id there does not matter). Other batches are left alone; if their shapes change from batch to
+batch, one log line says how to keep them static.
 """
 
 from __future__ import annotations
@@ -69,18 +69,30 @@ class PadToMultiple:
             raise ValueError(f"static_shape_multiple={multiple}: use a positive width (e.g. 64), or 0 to turn it off")
         self.collate_fn = collate_fn
         self.multiple = int(multiple)
-        self._warned = False
+        self._shapes: set[tuple] = set()  # shapes of the batches it cannot pad, until they vary
 
     def __call__(self, samples: list[Any]) -> Any:
         batch = self.collate_fn(samples)
         out = pad_batch(batch, self.multiple)
-        if out is batch and not self._warned and not _is_token_batch(batch):
-            self._warned = True
-            log.info("static shapes: batches here are not dicts with input_ids and attention_mask, so they are "
-                     "not padded; keep their shapes fixed (e.g. pad to a fixed length in the collate function) "
-                     "to avoid a compilation per shape")
+        if out is batch and not _is_token_batch(batch) and len(self._shapes) < 2:
+            self._shapes.add(_shapes(batch))
+            if len(self._shapes) == 2:
+                log.info("static shapes: the batch shapes change from batch to batch, and batches that are not "
+                         "dicts with input_ids and attention_mask are not padded: keep their shapes fixed (e.g. "
+                         "pad to a fixed length in the collate function) to avoid a compilation per shape")
         return out
 
 
 def _is_token_batch(batch: Any) -> bool:
     return isinstance(batch, Mapping) and "input_ids" in batch and "attention_mask" in batch
+
+
+def _shapes(batch: Any) -> tuple:
+    """The shapes of the tensors in ``batch`` (nested containers flattened), as a hashable tuple."""
+    if isinstance(batch, torch.Tensor):
+        return (tuple(batch.shape),)
+    if isinstance(batch, Mapping):
+        return tuple(s for v in batch.values() for s in _shapes(v))
+    if isinstance(batch, (list, tuple)):
+        return tuple(s for v in batch for s in _shapes(v))
+    return ()

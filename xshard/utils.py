@@ -21,6 +21,7 @@ import torch
 
 from .data import move_to_device
 from .log import progress as tqdm
+from .project import ProjectConfiguration
 from .state import DistributedType
 
 __all__ = [
@@ -97,38 +98,6 @@ class PrecisionType(str, Enum):
     FP16 = "fp16"
     BF16 = "bf16"
     FP8 = "fp8"
-
-
-@dataclass
-class ProjectConfiguration:
-    """Where a run keeps its files (Accelerate's ``ProjectConfiguration``).
-
-    Args:
-        project_dir: the run's folder; with ``automatic_checkpoint_naming`` checkpoints go to
-            ``project_dir/checkpoints/checkpoint_<iteration>``.
-        logging_dir: where trackers write (default: ``project_dir``).
-        automatic_checkpoint_naming: ``save_state()``/``load_state()`` without a folder use the
-            numbered folders above.
-        total_limit: keep only the newest N of those checkpoints.
-        iteration: the number the next automatic checkpoint gets.
-        save_on_each_node: xshard writes once per job on a shared filesystem (warned when True).
-    """
-
-    project_dir: str | None = None
-    logging_dir: str | None = None
-    automatic_checkpoint_naming: bool = False
-    total_limit: int | None = None
-    iteration: int = 0
-    save_on_each_node: bool = False
-
-    def __post_init__(self) -> None:
-        self.set_directories(self.project_dir)
-
-    def set_directories(self, project_dir: str | None = None) -> None:
-        """Set ``project_dir``, and ``logging_dir`` to it when unset."""
-        self.project_dir = project_dir
-        if self.logging_dir is None:
-            self.logging_dir = project_dir
 
 
 @dataclass
@@ -210,8 +179,10 @@ class AutocastKwargs:
 class FullyShardedDataParallelPlugin:
     """FSDP settings in Accelerate's names, mapped onto xshard's config when given to the Accelerator.
 
-    ``sharding_strategy`` FULL_SHARD / SHARD_GRAD_OP / NO_SHARD (or 1 / 2 / 3) -> stage 3 / 2 / 0;
-    ``reshard_after_forward`` (FSDP2) True / False -> stage 3 / 2; ``cpu_offload`` -> offload;
+    ``sharding_strategy`` FULL_SHARD / SHARD_GRAD_OP / NO_SHARD (or 1 / 2 / 3) -> stage 3 / 2 / 0,
+    HYBRID_SHARD / _HYBRID_SHARD_ZERO2 (or 4 / 5) -> stage 3 / 2 sharded within each node;
+    ``reshard_after_forward`` (FSDP2) True / False -> stage 3 / 2, an int k -> stage 3 with backward
+    gathering within groups of k ranks; ``cpu_offload`` -> offload;
     ``auto_wrap_policy`` "transformer_based_wrap" / "size_based_wrap" / "no_wrap" (a policy
     function is not used: units follow ``transformer_cls_names_to_wrap`` or the model's
     ``_no_split_modules``); ``backward_prefetch``, ``forward_prefetch``, ``state_dict_type``,

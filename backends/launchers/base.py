@@ -106,7 +106,7 @@ class Launcher:
 
     def launch(self, plan: LaunchPlan) -> int:
         """Run ``plan`` with its variables in the environment; returns the job's exit code."""
-        from ..base import env_override
+        from ..environment import env_override
 
         with env_override(**plan.env):
             return self.run(plan)

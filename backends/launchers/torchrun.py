@@ -48,7 +48,7 @@ class TorchrunLauncher(Launcher):
         from torch.distributed.elastic.rendezvous.api import RendezvousError
         from torch.distributed.run import parse_args, run
 
-        from ..base import env_override
+        from ..environment import env_override
         from .parent_death import PARENT_ENV
 
         # The script's arguments are set after parsing: torchrun's parser would otherwise read an

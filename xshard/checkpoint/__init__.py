@@ -3,7 +3,11 @@
 - ``state``: what a checkpoint holds and the save / load / resume of a whole job;
 - ``formats``: model and optimizer state by ``state_dict_type`` (full, local, sharded row tables);
 - ``files``: atomic folders, checksums, the manifest, finding and rotating checkpoints;
-- ``consolidate``: one state dict (or a ``from_pretrained`` folder) from any checkpoint, no process group.
+- ``tensorfile``: one-pass writing of safetensors and torch files, hashed as they are written;
+- ``foreign``: folders written by Accelerate's ``save_state`` (FSDP and DDP), read by rows through
+  ``sources`` (state dicts, safetensors files and torch.distributed.checkpoint folders by rows);
+- ``consolidate``: one state dict (or a ``from_pretrained`` folder) from any checkpoint, no process group;
+- ``progress``: progress bars for the slow parts, on the main process.
 """
 
 from .files import CheckpointError, CheckpointMismatchError, latest_checkpoint

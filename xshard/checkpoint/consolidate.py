@@ -1,9 +1,10 @@
-"""Consolidate an xshard checkpoint (sharded, local or full) into one state dict, with no process group.
+"""Consolidate an xshard checkpoint (full, sharded or local) into one state dict, with no process group.
 
-When the checkpoint holds the model's ``config.json`` (transformers models), the output is a folder
-with ``config.json`` and ``model.safetensors`` that ``from_pretrained`` loads; otherwise it is one
-``.safetensors`` file. Every file is checked against the checkpoint's manifest (size, sha256) while
-it is read.
+The output's name says what it is: a name ending in ``.safetensors`` is that one file (the state
+dict); any other name is a folder holding ``model.safetensors`` and, when the checkpoint has the
+model's ``config.json`` (transformers models), that too, so ``from_pretrained`` loads the folder.
+Every file is checked against the checkpoint's manifest (size, sha256) while it is read, and the
+output file appears whole or not at all.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ import torch
 from ..sharding.layout import rows_of
 from .files import MANIFEST, CheckpointError, read_manifest, verify_file
 from .formats import RowReader
+from .progress import slow_progress
+from .tensorfile import HashingFile, atomic_path, write_safetensors
+
+WEIGHTS = "model.safetensors"
 
 
 def consolidated_state_dict(checkpoint: str | Path, model_index: int = 0) -> dict[str, torch.Tensor]:
@@ -26,32 +31,45 @@ def consolidated_state_dict(checkpoint: str | Path, model_index: int = 0) -> dic
     if table is None:
         raise CheckpointError(f"{folder / MANIFEST}: key 'tables' has no 'model{model_index}' "
                               f"(the job saved {manifest.get('models', 0)} model(s))")
-    reader = RowReader(folder, manifest)
-    out = {}
-    for key, entry in table.items():
-        while "same_as" in entry:
-            entry = table[entry["same_as"]]
-        shape = tuple(entry["shape"])
-        out[key] = reader.rows(table, key, 0, rows_of(shape), f"model {model_index}").reshape(shape)
+    with slow_progress(f"reading {folder.name}") as bar:
+        reader = RowReader(folder, manifest, bar.update)
+        out = {}
+        for key, entry in table.items():
+            while "same_as" in entry:
+                entry = table[entry["same_as"]]
+            shape = tuple(entry["shape"])
+            out[key] = reader.rows(table, key, 0, rows_of(shape), f"model {model_index}").reshape(shape)
     return out
 
 
-def consolidate(checkpoint: str | Path, out: str | Path, model_index: int = 0) -> Path:
-    """Write the consolidated weights to ``out``; returns the file written (model.safetensors inside a
-    folder when the checkpoint holds a transformers config.json)."""
-    from safetensors.torch import save_file
+def output_files(out: str | Path) -> tuple[Path | None, Path]:
+    """(folder or None, weights file) that ``consolidate`` writes for the output name ``out``."""
+    target = Path(out)
+    if target.suffix == ".safetensors":
+        if target.is_dir():
+            raise CheckpointError(f"{target} is a folder: give a new .safetensors file name, or a folder name "
+                                  "without the .safetensors ending")
+        return None, target
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"{target} exists and is not a folder: give a folder name, or a file name ending in "
+                              ".safetensors for one state dict file")
+    return target, target / WEIGHTS
 
-    folder, target = Path(checkpoint), Path(out)
-    state = consolidated_state_dict(folder, model_index)
+
+def consolidate(checkpoint: str | Path, out: str | Path, model_index: int = 0) -> Path:
+    """Write the consolidated weights to ``out`` (see the module docstring); returns the file written."""
+    folder = Path(checkpoint)
+    export, weights = output_files(out)
     manifest = read_manifest(folder)
-    if model_index == 0 and "config.json" in manifest.get("files", {}):
-        target.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(verify_file(folder, "config.json", manifest), target / "config.json")
-        target = target / "model.safetensors"
-    elif target.is_dir() or target.suffix != ".safetensors":
-        raise CheckpointError(f"{target}: the checkpoint's model has no config.json (not a transformers model), so "
-                              "the output is one state dict: give a file name ending in .safetensors")
-    else:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(target), metadata={"format": "pt"})
-    return target
+    state = consolidated_state_dict(folder, model_index)
+    config = verify_file(folder, "config.json", manifest) if "config.json" in manifest.get("files", {}) else None
+    try:
+        weights.parent.mkdir(parents=True, exist_ok=True)
+        if export is not None and model_index == 0 and config is not None:
+            with atomic_path(export / "config.json") as tmp:
+                shutil.copyfile(config, tmp)
+        with slow_progress(f"writing {weights.name}") as bar, atomic_path(weights) as tmp, open(tmp, "wb") as f:
+            write_safetensors(HashingFile(f, bar.update), state, {"format": "pt"})
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {weights}: {exc.strerror or exc}; pick another output path") from exc
+    return weights

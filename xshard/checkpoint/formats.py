@@ -4,17 +4,32 @@ Every tensor is described in the manifest by a *row table* entry: its full shape
 pieces that hold it, ``[file, first_row, end_row]`` of dim 0. Loading reads exactly the rows this
 rank needs (safetensors slices: nothing else is read into memory), whatever world size wrote them.
 
-- ``full``: rank 0 writes ``model.safetensors`` (a plain state dict: any tool loads it), gathered one
-  unit at a time to the CPU; optimizer state is saved per rank (``optimizer.rank{R}.pt``), so
-  resuming it needs the same world size and stage (the weights alone load anywhere).
-- ``local``: each rank writes its own rows (``model.rank{R}.safetensors``) and its optimizer state
-  as torch saves it: fast, no communication, same world size and stage only.
-- ``sharded``: the model as in ``local``, and the optimizer state by rows too
-  (``optimizer.rank{R}.safetensors``): state tensors shaped like their parameter's shard (Adam's
-  ``exp_avg``, ``exp_avg_sq``) are row pieces of a full-shape tensor, other state (``step``) is
-  written whole by rank 0. Any world size and any stage load it: 4 -> 2 -> 1 -> 4.
+- ``full`` (the default): rank 0 writes ``model.safetensors``, a plain state dict that any tool
+  loads, gathered one unit at a time to the CPU; the optimizer state is stored by rows, as in
+  ``sharded``. Any world size and any stage resume it.
+- ``sharded``: each rank writes its own rows of the model (``model.rank{R}.safetensors``): no
+  gather, no communication; the optimizer state by rows too. Any world size and any stage resume it.
+- ``local``: the model as in ``sharded``, the optimizer state as torch saves it per rank
+  (``optimizer.rank{R}.pt``): same world size and stage only. It keeps any optimizer's state
+  exactly as it is, which the row format cannot do for state that is not shaped like its parameter
+  (see below), so it stays available for such optimizers.
 - Hybrid sharding: every shard exists once per replica (shard group); only the first replica's ranks
-  write theirs (``LocalPiece.writes``), so each row is stored once and the files read like any others.
+  write their rows (``LocalPiece.writes``), so each row is stored once and the files read like any
+  others (a checkpoint saved in shard groups resumes without them, and the other way round).
+
+Optimizer state by rows (``optimizer.rank{R}.safetensors`` + ``optimizer.groups.pt``): state
+tensors shaped like their parameter's shard (Adam's ``exp_avg``, ``exp_avg_sq``) are row pieces of a
+full-shape tensor, written once as the model's rows are; replicated state (``step``, and all state
+of a replicated parameter) is written whole by rank 0; state of a sharded parameter that is *not*
+shaped like its shard (Adafactor's factored row and column statistics) is written by every rank
+(every replica too, since each rank reads back its own) under ``<key>/<state>@rank<R>`` and loads
+only on the same world size and shard, with an error naming the key elsewhere.
+
+Design note, why "full" stores the optimizer by rows: a default checkpoint must survive a change of
+cluster (saved on 8 NPUs, resumed on 4) without the user knowing in advance; gathering the whole
+optimizer state to rank 0 as a second plain file would cost 2-3x the model's bytes of rank-0 host
+memory and communication at every save, for a file that no other tool reads. The model file is
+what tools read, so it stays one plain state dict; the optimizer rows cost nothing to write.
 
 Design note, why not torch.distributed.checkpoint (DCP): DCP's save/load plans are coordinated
 through collectives (gather of every rank's plan to rank 0, then scatter), which is what times out
@@ -22,12 +37,18 @@ at thousands of ranks over Gloo (anchors pain point 5), and its files need DCP t
 pieces are all this core's sharding ever produces, so a row table in the manifest describes them
 completely: saving is per-rank and communication-free, loading reshards by slicing, every file is a
 plain safetensors file, and ``xshard consolidate`` needs no process group.
+
+Reading goes through a ``TensorSource`` (full-shape tensors by key, read by rows), so checkpoints
+written by other tools (``foreign.py``, ``sources.py``: Accelerate's FSDP folders) load through the same
+checks.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -43,6 +64,10 @@ from .files import (
 )
 
 STATE_DICT_TYPES = ("full", "local", "sharded")
+#: file of the optimizers' param groups when the optimizer state is stored by rows
+GROUPS_FILE = "optimizer.groups.pt"
+PER_RANK = "@rank"  # suffix of state stored per rank: "<param>/<state>@rank<R>"
+_PER_RANK_KEY = re.compile(r"^(.*)@rank(\d+)$")
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool)}
@@ -52,6 +77,11 @@ def model_file(i: int, rank: int | None = None) -> str:
     """File of model ``i``: the full state dict (rank None) or rank ``rank``'s rows."""
     base = "model" if i == 0 else f"model_{i}"
     return f"{base}.safetensors" if rank is None else f"{base}.rank{rank}.safetensors"
+
+
+def optimizer_file(i: int, rank: int) -> str:
+    """File of rank ``rank``'s rows of optimizer ``i``'s state."""
+    return f"optimizer_{i}.rank{rank}.safetensors" if i else f"optimizer.rank{rank}.safetensors"
 
 
 def _entry(shape: tuple[int, ...], dtype: torch.dtype, pieces: list[list[Any]], **extra: Any) -> dict[str, Any]:
@@ -106,16 +136,16 @@ def optimizer_param_keys(optimizer: torch.optim.Optimizer, models: list[Any]) ->
         for p in group["params"]:
             if id(p) not in names:
                 raise ValueError(f"optimizer param group {g} holds a parameter of shape {tuple(p.shape)} that is in "
-                                 "no prepared model: prepare the model with the optimizer to save it sharded")
+                                 "no prepared model: prepare the model with the optimizer to save it")
             keys.append(names[id(p)])
         out.append(keys)
     return out
 
 
-def write_optimizer_rows(writer: FileWriter, i: int, optimizer: torch.optim.Optimizer,
-                         models: list[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def write_optimizer_rows(writer: FileWriter, i: int, optimizer: torch.optim.Optimizer, models: list[Any],
+                         world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """This rank's rows of optimizer ``i``'s state; returns (row table, groups record for rank 0)."""
-    name = f"optimizer_{i}.rank{writer.rank}.safetensors" if i else f"optimizer.rank{writer.rank}.safetensors"
+    name = optimizer_file(i, writer.rank)
     keys = optimizer_param_keys(optimizer, models)
     pieces = {k: v for model in models for k, v in local_pieces(model).items()}
     tensors: dict[str, torch.Tensor] = {}
@@ -129,14 +159,19 @@ def write_optimizer_rows(writer: FileWriter, i: int, optimizer: torch.optim.Opti
                 if not isinstance(value, torch.Tensor):
                     extra.setdefault(key, {})[state_name] = value
                     continue
+                fields: dict[str, Any] = {}
                 like_param = value.dim() >= 1 and tuple(value.shape) == tuple(p.shape)
                 if like_param:
                     shape, start, stop, mine = piece.shape, piece.start, piece.stop, piece.writes
-                else:
+                elif piece.sharded and value.dim() >= 1:  # this rank's own statistics of its shard
+                    entry_key += f"{PER_RANK}{writer.rank}"
+                    shape, start, stop, mine = tuple(value.shape), 0, rows_of(tuple(value.shape)), True
+                    fields = {"world_size": world_size, "shard_rows": [piece.start, piece.stop]}
+                else:  # replicated: the same on every rank
                     shape, start, stop, mine = tuple(value.shape), 0, rows_of(tuple(value.shape)), writer.rank == 0
                 mine = mine and stop > start
                 table[entry_key] = _entry(shape, value.dtype, [[name, start, stop]] if mine else [],
-                                          like_param=like_param)
+                                          like_param=like_param, **fields)
                 if mine:
                     tensors[entry_key] = _rows_view(value, start, stop)
     writer.safetensors(name, tensors)
@@ -162,19 +197,38 @@ def merge_tables(fragments: list[dict[str, Any]]) -> dict[str, Any]:
 # ---------------------------------------------------------------------- reading
 
 
+class TensorSource(Protocol):
+    """Full-shape tensors by key, read by dim-0 rows (an xshard row table, or another tool's files)."""
+
+    folder: Path
+
+    def keys(self) -> list[str]:
+        """Every key the source holds."""
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The full shape of ``key``."""
+
+    def info(self, key: str) -> dict[str, Any]:
+        """What the source knows about ``key`` beyond its shape (``like_param``, per-rank fields)."""
+
+    def rows(self, key: str, start: int, stop: int, where: str) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``key``, shape (stop - start, *rest), on the CPU."""
+
+
 class RowReader:
     """Reads rows of row-table entries from a checkpoint's safetensors files (verified on first use)."""
 
-    def __init__(self, folder: Path, manifest: dict[str, Any]) -> None:
+    def __init__(self, folder: Path, manifest: dict[str, Any], on_bytes: Callable[[int], None] | None = None) -> None:
         self.folder = folder
         self.manifest = manifest
+        self.on_bytes = on_bytes
         self._open: dict[str, Any] = {}
 
     def _file(self, name: str) -> Any:
         if name not in self._open:
             from safetensors import safe_open
 
-            path = verify_file(self.folder, name, self.manifest)
+            path = verify_file(self.folder, name, self.manifest, self.on_bytes)
             try:
                 self._open[name] = safe_open(str(path), framework="pt", device="cpu")
             except Exception as exc:
@@ -219,46 +273,78 @@ class RowReader:
         return out
 
 
-def read_model_rows(reader: RowReader, table: dict[str, Any], model: Any, where: str) -> dict[str, torch.Tensor]:
+class TableSource:
+    """A ``TensorSource`` over one row table of an xshard checkpoint."""
+
+    def __init__(self, reader: RowReader, table: dict[str, Any]) -> None:
+        self.reader, self.table, self.folder = reader, table, reader.folder
+
+    def _entry(self, key: str) -> dict[str, Any]:
+        entry = self.table[key]
+        while "same_as" in entry:
+            entry = self.table[entry["same_as"]]
+        return entry
+
+    def keys(self) -> list[str]:
+        return list(self.table)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._entry(key)["shape"])
+
+    def info(self, key: str) -> dict[str, Any]:
+        return self._entry(key)
+
+    def rows(self, key: str, start: int, stop: int, where: str) -> torch.Tensor:
+        return self.reader.rows(self.table, key, start, stop, where)
+
+
+def read_model_rows(source: TensorSource, model: Any, where: str) -> dict[str, torch.Tensor]:
     """This rank's rows of every model entry, checked against the model (keys, shapes); nothing is changed."""
     pieces = local_pieces(model)
-    missing = [k for k in pieces if k not in table]
-    unexpected = [k for k in table if k not in pieces]
+    available = set(source.keys())
+    missing = [k for k in pieces if k not in available]
+    unexpected = [k for k in source.keys() if k not in pieces]
     if missing or unexpected:
         key = (missing or unexpected)[0]
         raise CheckpointMismatchError(
-            f"{reader.folder / MANIFEST}: {where} does not match the model: key {key!r} is "
+            f"{source.folder}: {where} does not match the model: key {key!r} is "
             f"{'missing from the checkpoint' if missing else 'not in the model'} (missing keys: {missing[:5]}, "
             f"unexpected keys: {unexpected[:5]}); load a checkpoint of this model")
     out = {}
     for key, piece in pieces.items():
-        entry = table[key]
-        while "same_as" in entry:
-            entry = table[entry["same_as"]]
-        if tuple(entry["shape"]) != tuple(piece.shape):
-            files = sorted({p[0] for p in entry["pieces"]}) or [MANIFEST]
+        shape = source.shape(key)
+        if shape != tuple(piece.shape):
             raise CheckpointMismatchError(
-                f"{reader.folder / files[0]}: key {key!r} has shape {tuple(entry['shape'])} in the checkpoint, the "
-                f"model's is {tuple(piece.shape)}; load a checkpoint of this model")
-        out[key] = reader.rows(table, key, piece.start, piece.stop, where)
+                f"{source.folder}: {where} key {key!r} has shape {shape} in the checkpoint, the model's is "
+                f"{tuple(piece.shape)}; load a checkpoint of this model")
+        out[key] = source.rows(key, piece.start, piece.stop, where)
     return out
 
 
-def read_optimizer_rows(reader: RowReader, table: dict[str, Any], record: dict[str, Any],
-                        optimizer: torch.optim.Optimizer, models: list[Any], where: str) -> dict[str, Any]:
-    """This rank's optimizer state dict rebuilt from the rows (for ``optimizer.load_state_dict``)."""
+def _check_param_keys(folder: Path, where: str, saved: list[list[str]], keys: list[list[str]]) -> None:
+    if keys == saved:
+        return
+    diff = next((f"group {g} parameter {j}: {a!r} in the checkpoint, {b!r} here"
+                 for g, (ga, gb) in enumerate(zip(saved, keys, strict=False))
+                 for j, (a, b) in enumerate(zip(ga, gb, strict=False)) if a != b),
+                f"{len(saved)} groups of {[len(g) for g in saved]} parameters in the checkpoint, "
+                f"{len(keys)} of {[len(g) for g in keys]} here")
+    raise CheckpointMismatchError(f"{folder}: {where} has other parameters than this optimizer ({diff}); "
+                                  "build the optimizer with the same param groups")
+
+
+def read_optimizer_rows(source: TensorSource, record: dict[str, Any], optimizer: torch.optim.Optimizer,
+                        models: list[Any], where: str, rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's optimizer state dict rebuilt from the rows (for ``optimizer.load_state_dict``).
+
+    ``record``: ``param_groups`` (hyperparameters), ``param_keys`` (each group's parameter keys)
+    and ``extra`` (non-tensor state by parameter key); ``source`` holds ``<param key>/<state>``.
+    """
     keys = optimizer_param_keys(optimizer, models)
-    if keys != record["param_keys"]:
-        saved = record["param_keys"]
-        diff = next((f"group {g} parameter {j}: {a!r} in the checkpoint, {b!r} here"
-                     for g, (ga, gb) in enumerate(zip(saved, keys, strict=False)) for j, (a, b) in enumerate(zip(ga, gb, strict=False)) if a != b),
-                    f"{len(saved)} groups of {[len(g) for g in saved]} parameters in the checkpoint, "
-                    f"{len(keys)} of {[len(g) for g in keys]} here")
-        raise CheckpointMismatchError(f"{reader.folder}: {where} has other parameters than this optimizer ({diff}); "
-                                      "build the optimizer with the same param groups")
+    _check_param_keys(source.folder, where, record["param_keys"], keys)
     pieces = {k: v for model in models for k, v in local_pieces(model).items()}
     by_param: dict[str, list[str]] = {}
-    for entry_key in table:
+    for entry_key in source.keys():
         by_param.setdefault(entry_key.rsplit("/", 1)[0], []).append(entry_key)
     state: dict[int, dict[str, Any]] = {}
     groups = []
@@ -268,19 +354,10 @@ def read_optimizer_rows(reader: RowReader, table: dict[str, Any], record: dict[s
         for key in group_keys:
             values: dict[str, Any] = dict(record["extra"].get(key, {}))
             for entry_key in by_param.get(key, []):
-                entry = table[entry_key]
-                if entry["like_param"]:
-                    piece = pieces[key]
-                    if tuple(entry["shape"]) != tuple(piece.shape):
-                        raise CheckpointMismatchError(
-                            f"{reader.folder / MANIFEST}: {where} key {entry_key!r} has shape {tuple(entry['shape'])},"
-                            f" the parameter's is {tuple(piece.shape)}")
-                    rows = reader.rows(table, entry_key, piece.start, piece.stop, where)
-                    values[entry_key.rsplit("/", 1)[1]] = rows.reshape(piece.tensor.shape)
-                else:
-                    shape = tuple(entry["shape"])
-                    rows = reader.rows(table, entry_key, 0, rows_of(shape), where)
-                    values[entry_key.rsplit("/", 1)[1]] = rows.reshape(shape)
+                name = entry_key.rsplit("/", 1)[1]
+                value = _optimizer_value(source, entry_key, name, pieces[key], where, rank, world_size)
+                if value is not None:
+                    values[_PER_RANK_KEY.sub(r"\1", name)] = value
             if values:
                 state[index] = values
             ids.append(index)
@@ -289,16 +366,52 @@ def read_optimizer_rows(reader: RowReader, table: dict[str, Any], record: dict[s
     return {"state": state, "param_groups": groups}
 
 
+def _optimizer_value(source: TensorSource, entry_key: str, name: str, piece: Any, where: str, rank: int,
+                     world_size: int) -> torch.Tensor | None:
+    """One state tensor for this rank: its rows, the whole (replicated) tensor, or its own per-rank one."""
+    shape, info = source.shape(entry_key), source.info(entry_key)
+    per_rank = _PER_RANK_KEY.match(name)
+    if per_rank is not None:
+        if int(per_rank.group(2)) != rank:
+            return None
+        saved = (info.get("world_size"), list(info.get("shard_rows", [])))
+        if saved != (world_size, [piece.start, piece.stop]):
+            raise CheckpointMismatchError(
+                f"{source.folder}: {where} key {entry_key!r} is optimizer state that is not shaped like its "
+                f"parameter's shard (saved by each of {saved[0]} ranks for rows {saved[1]}; this rank holds rows "
+                f"[{piece.start}, {piece.stop}] of {world_size}): it cannot be resharded; resume with the world "
+                "size and stage that saved it")
+        return source.rows(entry_key, 0, rows_of(shape), where).reshape(shape)
+    like_param = info.get("like_param")
+    if like_param is None:  # another tool's checkpoint: shaped like the whole parameter
+        like_param = len(shape) >= 1 and shape == tuple(piece.shape)
+    if like_param:
+        if shape != tuple(piece.shape):
+            raise CheckpointMismatchError(
+                f"{source.folder}: {where} key {entry_key!r} has shape {shape}, the parameter's is "
+                f"{tuple(piece.shape)}")
+        return source.rows(entry_key, piece.start, piece.stop, where).reshape(piece.tensor.shape)
+    if piece.sharded and len(shape) >= 1 and world_size > 1:
+        raise CheckpointMismatchError(
+            f"{source.folder}: {where} key {entry_key!r} (shape {shape}) is optimizer state that is not shaped "
+            f"like its parameter {tuple(piece.shape)}, so it cannot be split over this rank's shard; load it at "
+            "stage 0 or on one process")
+    return source.rows(entry_key, 0, rows_of(shape), where).reshape(shape)
+
+
 def check_same_job(manifest: dict[str, Any], now: dict[str, Any], folder: Path, keys: tuple[str, ...]) -> None:
     """Raise naming the manifest key where this job differs from the one that saved."""
     for key in keys:
         if manifest.get(key) != now[key]:
             raise CheckpointMismatchError(
                 f"{folder / MANIFEST}: key {key!r} is {manifest.get(key)!r} in the checkpoint but {now[key]!r} in this "
-                f"job; a {manifest.get('state_dict_type')!r} checkpoint resumes only with the same world size, shard "
-                "groups, stage and prepared objects (save with state_dict_type='sharded' to change them)")
+                f"job; a {manifest.get('state_dict_type')!r} checkpoint of format {manifest.get('format_version')} "
+                "keeps each rank's optimizer state as it was and resumes only with the same world size, shard "
+                "groups, stage and prepared objects (save with the default state_dict_type='full' or 'sharded' to "
+                "change them)")
 
 
-def load_rank_optimizers(folder: Path, manifest: dict[str, Any], rank: int) -> list[dict[str, Any]]:
-    """The per-rank optimizer state dicts of a full or local checkpoint."""
-    return load_torch(folder, f"optimizer.rank{rank}.pt", manifest)
+def load_rank_optimizers(folder: Path, manifest: dict[str, Any], rank: int,
+                         on_bytes: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+    """The per-rank optimizer state dicts of a local checkpoint (or a full one of format 2)."""
+    return load_torch(folder, f"optimizer.rank{rank}.pt", manifest, on_bytes)

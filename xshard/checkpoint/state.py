@@ -6,12 +6,13 @@ A checkpoint folder holds:
                                  shard group size (hybrid sharding), stage, backend, state_dict_type,
                                  step, the xshard config, row tables of
                                  every tensor, and the size and sha256 of every other file
-    model*.safetensors           model weights (formats.py: full, local or sharded layout)
-    optimizer*                   optimizer state (per rank, or by rows for "sharded")
+    model*.safetensors           model weights (formats.py: one plain state dict for "full", rows
+                                 per rank for "sharded" and "local")
+    optimizer*                   optimizer state (by rows for "full" and "sharded": any world size and
+                                 stage resume them; as torch saves it per rank for "local")
     scheduler.pt data.pt         LR schedulers, data loaders' positions (epoch, batches consumed)
     scaler.pt                    fp16 grad scaler (when there is one)
     rng.rank{R}.pt               python, numpy, torch and device RNG states of rank R
-    custom_checkpoint_{i}.pt     ``state_dict()`` of each object given to ``register_for_checkpointing``
     config.json                  the first model's own config, when it has ``config.to_json_string``
                                  (a transformers model): ``xshard consolidate`` then writes a
                                  ``from_pretrained`` folder
@@ -23,6 +24,10 @@ shapes and the job's compatibility on every rank *before* anything changes; the 
 outcome, so a bad checkpoint raises the same error everywhere and leaves the running job untouched.
 All ranks must see the same filesystem (one node, or a shared one). Gradients accumulated inside an
 unfinished accumulation window are not saved (a warning says so): save at the end of a window.
+
+Resuming never silently starts over: a folder that does not exist or holds no checkpoint is an
+error naming it, unless the caller opts in with ``missing_ok=True`` (a script's first run, before
+any checkpoint exists). A folder written by Accelerate for an FSDP model loads too (foreign.py).
 """
 
 from __future__ import annotations
@@ -37,27 +42,31 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..log import get_logger
-from . import formats
+from . import foreign, formats
 from .files import (
     FORMAT_VERSION,
     MANIFEST,
     OLD_SUFFIX,
+    TMP_SUFFIX,
     CheckpointError,
     CheckpointMismatchError,
     FileWriter,
     begin,
     commit,
+    complete_checkpoints,
     latest_checkpoint,
     load_torch,
+    near_name,
     read_manifest,
     rotate,
     write_manifest,
 )
+from .progress import slow_progress
 
 if TYPE_CHECKING:
     from ..job import JobState
 
-__all__ = ["CheckpointError", "CheckpointMismatchError", "latest_checkpoint", "load_state", "save_state"]
+__all__ = ["CheckpointError", "CheckpointMismatchError", "latest_checkpoint", "load_state", "resume", "save_state"]
 
 log = get_logger("xshard.checkpoint")
 
@@ -142,36 +151,9 @@ def save_state(job: JobState, directory: str | os.PathLike, state_dict_type: str
     job.barrier()
     job.backend.mark_step()  # compiled devices: materialise pending updates before reading tensors
 
-    writer = FileWriter(tmp, job.rank)
-    tables: dict[str, Any] = {}
-    models = job.models
-    for i, model in enumerate(models):
-        if kind == "full":
-            weights = model.full_state_dict(rank0_only=True)  # every rank takes part; complete on rank 0
-            if job.is_main_process:
-                tables[f"model{i}"] = formats.write_full_model(writer, i, weights)
-            del weights
-        else:
-            tables[f"model{i}"] = formats.write_model_rows(writer, i, model)
-    groups = []
-    if kind == "sharded":
-        for i, opt in enumerate(job.optimizers):
-            tables[f"optimizer{i}"], record = formats.write_optimizer_rows(writer, i, opt.optimizer, models)
-            groups.append(record)
-        if job.is_main_process:
-            writer.torch("optimizer.groups.pt", groups)
-    else:
-        writer.torch(f"optimizer.rank{job.rank}.pt", [opt.state_dict() for opt in job.optimizers])
-    writer.torch(f"rng.rank{job.rank}.pt", _rng_state(job))
-    if job.is_main_process:
-        writer.torch("scheduler.pt", [s.state_dict() for s in job.schedulers])
-        writer.torch("data.pt", [d.state_dict() for d in job.loaders])
-        if job.scaler is not None:
-            writer.torch("scaler.pt", job.scaler.state_dict())
-        _write_custom(job, writer)
-        config_json = _model_config(models[0]) if models else None
-        if config_json is not None:
-            writer.text("config.json", config_json)
+    with slow_progress(f"saving {final.name}") as bar:
+        writer = FileWriter(tmp, job.rank, on_bytes=bar.update)
+        tables = _write_files(job, writer, kind)
     # Each rank's file list and row tables travel to rank 0 through the shared folder.
     fragment = tmp / f"fragment.rank{job.rank}.json"
     fragment.write_text(json.dumps({"files": writer.files, "tables": tables}, default=str))
@@ -210,97 +192,140 @@ def save_state(job: JobState, directory: str | os.PathLike, state_dict_type: str
     return final
 
 
-def _read_everything(job: JobState, root: Path) -> dict[str, Any]:
+def _write_files(job: JobState, writer: FileWriter, kind: str) -> dict[str, Any]:
+    """This rank's files of a ``kind`` checkpoint; returns its row tables."""
+    tables: dict[str, Any] = {}
+    models = job.models
+    for i, model in enumerate(models):
+        if kind == "full":
+            weights = model.full_state_dict(rank0_only=True)  # every rank takes part; complete on rank 0
+            if job.is_main_process:
+                tables[f"model{i}"] = formats.write_full_model(writer, i, weights)
+            del weights
+        else:
+            tables[f"model{i}"] = formats.write_model_rows(writer, i, model)
+    if kind == "local":
+        writer.torch(f"optimizer.rank{job.rank}.pt", [opt.state_dict() for opt in job.optimizers])
+    else:
+        groups = []
+        for i, opt in enumerate(job.optimizers):
+            tables[f"optimizer{i}"], record = formats.write_optimizer_rows(writer, i, opt.optimizer, models,
+                                                                           job.world_size)
+            groups.append(record)
+        if job.is_main_process:
+            writer.torch(formats.GROUPS_FILE, groups)
+    writer.torch(f"rng.rank{job.rank}.pt", _rng_state(job))
+    if job.is_main_process:
+        writer.torch("scheduler.pt", [s.state_dict() for s in job.schedulers])
+        writer.torch("data.pt", [d.state_dict() for d in job.loaders])
+        if job.scaler is not None:
+            writer.torch("scaler.pt", job.scaler.state_dict())
+        _write_custom(job, writer)
+        config_json = _model_config(models[0]) if models else None
+        if config_json is not None:
+            writer.text("config.json", config_json)
+    return tables
+
+
+def _read_everything(job: JobState, root: Path, on_bytes: Any = None) -> dict[str, Any]:
     """Read and check all this rank needs from the checkpoint; change nothing."""
+    if not (root / MANIFEST).is_file() and foreign.is_foreign_checkpoint(root):
+        return foreign.read_plan(job, root)
     manifest = read_manifest(root)
     kind = manifest.get("state_dict_type")
     if kind not in formats.STATE_DICT_TYPES:
         raise CheckpointError(f"{root / MANIFEST}: key 'state_dict_type' is {kind!r}, expected one of "
                               f"{', '.join(formats.STATE_DICT_TYPES)}")
-    now = _job(job)
-    if kind == "sharded":
-        formats.check_same_job(manifest, now, root, _COUNTS)
-    else:
-        formats.check_same_job(manifest, now, root, ("world_size", "shard_group_size", "stage", *_COUNTS))
-    reader = formats.RowReader(root, manifest)
+    optimizer_by_rows = formats.GROUPS_FILE in manifest.get("files", {})
+    if optimizer_by_rows:
+        formats.check_same_job(manifest, _job(job), root, _COUNTS)
+    else:  # "local" (or "full" of format 2): each rank's optimizer state as it was, in its shard groups
+        formats.check_same_job(manifest, _job(job), root, ("world_size", "shard_group_size", "stage", *_COUNTS))
+    reader = formats.RowReader(root, manifest, on_bytes)
     tables = manifest.get("tables", {})
-    plan: dict[str, Any] = {"manifest": manifest, "models": [], "optimizers": []}
+    plan: dict[str, Any] = {"step": manifest.get("step", 0), "micro_step": manifest.get("micro_step", 0),
+                            "models": [], "optimizers": []}
     for i, model in enumerate(job.models):
         table = tables.get(f"model{i}")
         if table is None:
             raise CheckpointError(f"{root / MANIFEST}: key 'tables' has no 'model{i}'")
-        plan["models"].append(formats.read_model_rows(reader, table, model, f"model {i}"))
-    if kind == "sharded":
-        records = load_torch(root, "optimizer.groups.pt", manifest)
+        source = formats.TableSource(reader, table)
+        plan["models"].append(formats.read_model_rows(source, model, f"model {i}"))
+    if optimizer_by_rows:
+        records = load_torch(root, formats.GROUPS_FILE, manifest, on_bytes)
         for i, opt in enumerate(job.optimizers):
+            source = formats.TableSource(reader, tables.get(f"optimizer{i}", {}))
             plan["optimizers"].append(formats.read_optimizer_rows(
-                reader, tables.get(f"optimizer{i}", {}), records[i], opt.optimizer, job.models, f"optimizer {i}"))
+                source, records[i], opt.optimizer, job.models, f"optimizer {i}", job.rank, job.world_size))
     else:
-        plan["optimizers"] = formats.load_rank_optimizers(root, manifest, job.rank)
-    plan["schedulers"] = load_torch(root, "scheduler.pt", manifest)
-    plan["data"] = load_torch(root, "data.pt", manifest)
-    plan["scaler"] = load_torch(root, "scaler.pt", manifest) if job.scaler is not None else None
-    plan["custom"] = _read_custom(job, root, manifest)
+        plan["optimizers"] = formats.load_rank_optimizers(root, manifest, job.rank, on_bytes)
+    plan["schedulers"] = load_torch(root, "scheduler.pt", manifest, on_bytes)
+    plan["data"] = load_torch(root, "data.pt", manifest, on_bytes)
+    plan["scaler"] = load_torch(root, "scaler.pt", manifest, on_bytes) if job.scaler is not None else None
+    plan["custom"] = _read_custom(job, root, manifest, on_bytes)
     rng_name = f"rng.rank{job.rank}.pt"
-    # A different world size: ranks without their own RNG file take rank 0's (and say so).
-    plan["rng"] = load_torch(root, rng_name if rng_name in manifest["files"] else "rng.rank0.pt", manifest)
+    # A different world size: ranks without their own RNG file take rank 0's.
+    plan["rng"] = load_torch(root, rng_name if rng_name in manifest["files"] else "rng.rank0.pt", manifest,
+                             on_bytes)
     return plan
 
 
+def _ranks_where(job: JobState, *flags: bool) -> list[int]:
+    """For each flag, how many ranks have it set (every rank gets the same answer)."""
+    if job.world_size == 1:
+        return [int(f) for f in flags]
+    count = torch.tensor([1.0 if f else 0.0 for f in flags], device=job.backend.device())
+    job.backend.collectives.all_reduce(count, op="sum")
+    return [int(c) for c in count.tolist()]
+
+
 def _agree(job: JobState, error: BaseException | None, root: Path) -> None:
-    """Every rank learns whether any rank failed to read the checkpoint, so all raise or none does."""
-    if job.world_size > 1:
-        flag = torch.tensor([0.0 if error is None else 1.0], device=job.backend.device())
-        job.backend.collectives.all_reduce(flag, op="sum")
-        failed = int(flag.item())
-    else:
-        failed = int(error is not None)
+    """Every rank learns whether any rank failed to read the checkpoint, so all raise or none does,
+    and all raise the same kind of error (a mismatch with the job, or a bad or missing file)."""
+    failed, mismatched = _ranks_where(job, error is not None, isinstance(error, CheckpointMismatchError))
     if error is not None:
         raise error
     if failed:
-        raise CheckpointError(f"{root}: {failed} other rank(s) could not read this checkpoint (their error is in "
-                              "their log); nothing was loaded")
+        kind = CheckpointMismatchError if mismatched else CheckpointError
+        raise kind(f"{root}: {failed} other rank(s) could not read this checkpoint (their error is in their log); "
+                   "nothing was loaded")
 
 
-def load_state(job: JobState, directory: str | os.PathLike) -> Path:
+def _present_everywhere(job: JobState, present: bool, root: Path) -> bool:
+    """Whether the checkpoint exists for every rank; an error when only some ranks see it."""
+    (seen,) = _ranks_where(job, present)
+    if 0 < seen < job.world_size:
+        raise CheckpointError(f"{root}: only {seen} of {job.world_size} ranks see a checkpoint here; every rank "
+                              "must see the same folder (a shared filesystem, or a copy on every node)")
+    return seen > 0
+
+
+def load_state(job: JobState, directory: str | os.PathLike, *, missing_ok: bool = False) -> Path | None:
     """Restore what ``save_state`` wrote into the objects this Accelerator prepared; returns the path.
 
     Everything is read and checked first; the model, optimizer and the rest change only when every
-    rank read the whole checkpoint successfully.
+    rank read the whole checkpoint successfully. A folder that does not exist is an error naming it;
+    with ``missing_ok=True`` nothing is loaded and None is returned instead.
     """
     root = Path(directory)
     old = root.with_name(root.name + OLD_SUFFIX)
     if not root.exists() and (old / MANIFEST).is_file():  # a crash between the two renames of commit()
         root = old
+    if missing_ok and not _present_everywhere(job, root.exists(), root):
+        log.info("no checkpoint at %s (missing_ok=True): starting from scratch", root)
+        return None
     error: BaseException | None = None
     plan: dict[str, Any] = {}
     try:
-        plan = _read_everything(job, root)
+        with slow_progress(f"loading {root.name}") as bar:
+            plan = _read_everything(job, root, bar.update)
     except Exception as exc:  # every failure must reach _agree, or the other ranks would wait forever
         log.error("rank %d cannot load %s: %s", job.rank, root, exc)
         error = exc if isinstance(exc, CheckpointError) else CheckpointError(f"{root}: {exc}")
         if error is not exc:
             error.__cause__ = exc
     _agree(job, error, root)
-
-    from ..sharding.state_dict import load_local_pieces
-
-    for model, rows in zip(job.models, plan["models"], strict=True):
-        load_local_pieces(model, rows)
-    for opt, state in zip(job.optimizers, plan["optimizers"], strict=True):
-        opt.load_state_dict(state)
-    for sched, state in zip(job.schedulers, plan["schedulers"], strict=True):
-        sched.load_state_dict(state)
-    for loader, state in zip(job.loaders, plan["data"], strict=True):
-        loader.load_state_dict(state)
-    if job.scaler is not None:
-        job.scaler.load_state_dict(plan["scaler"])
-    for obj, state in zip(job.custom_objects, plan["custom"], strict=True):
-        obj.load_state_dict(state)
-    _set_rng_state(job, plan["rng"])
-    manifest = plan["manifest"]
-    job.micro_step = int(manifest.get("micro_step", 0))
-    job.step = int(manifest.get("step", 0))
+    _apply(job, plan)
     job.barrier()
     log.info("resumed from %s (step %d)", root, job.step)
     return root
@@ -316,7 +341,7 @@ def _write_custom(job: JobState, writer: FileWriter) -> None:
         writer.torch(_custom_name(i), obj.state_dict())
 
 
-def _read_custom(job: JobState, root: Path, manifest: dict[str, Any]) -> list[Any]:
+def _read_custom(job: JobState, root: Path, manifest: dict[str, Any], on_bytes: Any = None) -> list[Any]:
     """The registered objects' states; the checkpoint must hold one per registered object."""
     saved = sum(1 for name in manifest.get("files", {}) if name.startswith("custom_checkpoint_"))
     if saved != len(job.custom_objects):
@@ -324,13 +349,74 @@ def _read_custom(job: JobState, root: Path, manifest: dict[str, Any]) -> list[An
             f"{root}: the checkpoint holds {saved} object(s) registered for checkpointing but this job registered "
             f"{len(job.custom_objects)}: call accelerator.register_for_checkpointing(...) with the same objects "
             "before load_state")
-    return [load_torch(root, _custom_name(i), manifest) for i in range(saved)]
+    return [load_torch(root, _custom_name(i), manifest, on_bytes) for i in range(saved)]
 
 
-def resume(job: JobState, output_dir: str | os.PathLike) -> Path | None:
-    """Load the newest complete checkpoint under ``output_dir``; None (and nothing loaded) if there is none."""
-    path = latest_checkpoint(output_dir)
-    if path is None:
-        log.info("no complete checkpoint under %s: starting from scratch", output_dir)
-        return None
-    return load_state(job, path)
+def _apply(job: JobState, plan: dict[str, Any]) -> None:
+    """Put a checked plan into the job's objects (parts a foreign checkpoint lacks are None: kept)."""
+    from ..sharding.state_dict import load_local_pieces
+
+    for model, rows in zip(job.models, plan["models"], strict=True):
+        load_local_pieces(model, rows)
+    for opt, state in zip(job.optimizers, plan["optimizers"], strict=True):
+        if state is not None:
+            opt.load_state_dict(state)
+    for sched, state in zip(job.schedulers, plan.get("schedulers") or [None] * len(job.schedulers), strict=True):
+        if state is not None:
+            sched.load_state_dict(state)
+    for loader, state in zip(job.loaders, plan.get("data") or [None] * len(job.loaders), strict=True):
+        if state is not None:
+            loader.load_state_dict(state)
+    if job.scaler is not None and plan.get("scaler") is not None:
+        job.scaler.load_state_dict(plan["scaler"])
+    for obj, state in zip(job.custom_objects, plan.get("custom") or [], strict=False):
+        obj.load_state_dict(state)
+    if plan.get("rng") is not None:
+        _set_rng_state(job, plan["rng"])
+    job.micro_step = int(plan.get("micro_step", 0))
+    job.step = int(plan.get("step", 0))
+
+
+def resume(job: JobState, output_dir: str | os.PathLike, *, missing_ok: bool = False) -> Path | None:
+    """Load the newest complete checkpoint under ``output_dir`` (or ``output_dir`` itself, when it is one).
+
+    No complete checkpoint there is an error naming the folder; with ``missing_ok=True`` (a script's
+    first run) it is logged, nothing is loaded and None is returned. When the newest checkpoint's
+    files are damaged (truncated, corrupted, missing), a warning names the file and the next older
+    complete checkpoint is loaded instead; a checkpoint of another model or job is an error.
+    """
+    root = Path(output_dir)
+    if (root / MANIFEST).is_file() or foreign.is_foreign_checkpoint(root):
+        candidates = [root]
+    else:
+        latest = latest_checkpoint(root)  # warns about incomplete ones
+        candidates = complete_checkpoints(root)[::-1] if latest is not None else []
+    if not _present_everywhere(job, bool(candidates), root):
+        if missing_ok:
+            log.info("no complete checkpoint under %s (missing_ok=True): starting from scratch", root)
+            return None
+        raise CheckpointError(_nothing_to_resume(root))
+    for i, path in enumerate(candidates):
+        try:
+            return load_state(job, path)
+        except CheckpointMismatchError:
+            raise
+        except CheckpointError as exc:
+            if len(candidates) == 1:
+                raise
+            if i + 1 == len(candidates):
+                raise CheckpointError(f"{root}: none of its {len(candidates)} complete checkpoint(s) can be loaded; "
+                                      f"the oldest failed with: {exc}") from exc
+            log.warning("cannot load %s (%s): falling back to the previous checkpoint %s", path, exc,
+                        candidates[i + 1])
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _nothing_to_resume(root: Path) -> str:
+    fix = ("fix the path, or pass missing_ok=True to start from scratch when no checkpoint exists yet "
+           "(a first run)")
+    if not root.is_dir():
+        return f"{root}: no such folder{near_name(root)}, so there is no checkpoint to resume from; {fix}"
+    incomplete = [p.name for p in sorted(root.iterdir()) if p.is_dir() and p.name.endswith(TMP_SUFFIX)]
+    detail = f" (incomplete, skipped: {', '.join(incomplete)})" if incomplete else ""
+    return f"{root} holds no complete checkpoint{detail}, so there is nothing to resume from; {fix}"

@@ -3,13 +3,16 @@
 Each subcommand lives in ``xshard/cli/<name>.py`` with ``add_arguments(parser)`` and
 ``run(args) -> int``; it is imported only when used, so `xshard env` stays fast and a broken
 optional dependency of one command cannot break the others. Errors meant for users
-(``XShardError``) print one clear line and exit non-zero, never a traceback.
+(``XShardError``) print one clear line and exit non-zero, never a traceback; so do errors of the
+operating system (a path that does not exist, no permission, a full disk), with the fix named.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -35,6 +38,28 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(sp)
         sp.set_defaults(_run=module.run)
     return parser
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for an error of the operating system: the path, what went wrong, and the fix."""
+    path = exc.filename if exc.filename is not None else ""
+    reason = exc.strerror or str(exc)
+    parent = os.path.dirname(os.path.abspath(path)) if path else ""
+    if exc.errno == errno.ENOENT and parent and not os.path.isdir(parent):
+        fix = f"the folder {parent} does not exist: create it first, or pick another path"
+    elif exc.errno == errno.ENOENT:
+        fix = "check the path"
+    elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "pick a path you may write to, or change its permissions"
+    elif exc.errno == errno.EISDIR:
+        fix = "it is a folder: give a file name"
+    elif exc.errno == errno.ENOTDIR:
+        fix = "a part of the path is a file, not a folder: fix the path"
+    elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free some space, or write somewhere else"
+    else:
+        fix = "check the path and try again"
+    return f"{path}: {reason}; {fix}" if path else f"{reason}; {fix}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except XShardError as exc:
         print(f"xshard {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:
+        print(f"xshard {args.command}: error: {os_error_line(exc)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

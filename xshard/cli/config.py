@@ -72,7 +72,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"xshard config: warning: {warning.message}", file=sys.stderr)
     text = config.to_yaml()
     if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
+        _write(Path(args.output), text)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _write(path: Path, text: str) -> None:
+    """Write the file, or say in one line why it cannot be written and what to do."""
+    if path.is_dir():
+        raise XShardConfigError(f"-o {path} is a folder: give a file name, e.g. -o {path / 'xshard.yaml'}")
+    if not path.parent.is_dir():
+        raise XShardConfigError(f"-o {path}: the folder {path.parent} does not exist; create it first "
+                                f"(mkdir -p {path.parent}) or write elsewhere")
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise XShardConfigError(f"-o {path}: cannot write the file ({exc.strerror or exc}); write elsewhere") from None

@@ -1,12 +1,12 @@
-"""Turn an xshard checkpoint (sharded, local or full) into one state dict, without a process group.
+"""Turn an xshard checkpoint (full, sharded or local) into one state dict, without a process group.
 
-    xshard consolidate out/checkpoint-100 model.safetensors      # one safetensors state dict
-    xshard consolidate out/checkpoint-100 ./export                # a transformers model: a folder
-                                                                  # that from_pretrained loads
+    xshard consolidate out/checkpoint-100 model.safetensors      # one safetensors file
+    xshard consolidate out/checkpoint-100 ./export                # a folder: model.safetensors, and the
+                                                                  # config.json of a transformers model,
+                                                                  # so that from_pretrained loads it
 
-When the checkpoint holds the model's ``config.json`` (transformers models), OUT is a folder with
-``config.json`` and ``model.safetensors``; otherwise OUT is the ``.safetensors`` file. Every file is
-checked against the checkpoint's manifest (size, sha256) while it is read.
+OUT ending in ``.safetensors`` is that file; any other OUT is a folder. Every file is checked
+against the checkpoint's manifest (size, sha256) while it is read.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="a checkpoint folder written by Accelerator.save_state")
-    parser.add_argument("out", help="the .safetensors file to write, or the folder for a transformers model")
+    parser.add_argument("out", help="a file name ending in .safetensors, or a folder (model.safetensors and, for a "
+                                    "transformers model, config.json)")
     parser.add_argument("--model-index", type=int, default=0,
                         help="which prepared model, for jobs that prepared several (default: 0)")
 

@@ -28,6 +28,7 @@ from xshard.estimate import (
     parse_memory,
     parse_stage,
 )
+from xshard.sharding.plan import ShardingPlan
 
 ROWS = [("parameters", "params"), ("gradients", "grads"), ("optimizer states", "optimizer"),
         ("gathered units (transient)", "gathered"), ("activations", "activations"), ("total per device", "total"),
@@ -103,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
     """Print the estimate. Exit status 0, or 1 when --stage and --device-memory are given and it does not fit."""
     size = load_model_size(args.model)
     stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
-    if args.offload:
-        stages = [s for s in stages if s > 0] or stages  # stage 0 alone with --offload: let it raise below
+    if args.offload:  # only stages that shard have shards to offload (stage 0 alone: let it raise below)
+        stages = [s for s in stages if ShardingPlan.for_stage(s).shard_parameters] or stages
     estimates = [
         estimate_memory(size, args.nproc, stage, args.dtype, args.offload, args.micro_batch, args.seq_len,
                         args.grad_ckpt, args.attention, args.device_memory)

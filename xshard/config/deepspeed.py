@@ -106,11 +106,11 @@ def _zero(reading: Reading, where: str, value: Any) -> None:
             reading.set("offload_optimizer", parse_bool(path, item), path)
         elif key in ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"):
             reading.set("state_dict_type", "full" if parse_bool(path, item) else "sharded", path)
-        elif key == "mics_shard_size" and stage == 3 and not harmless(item, (-1,)):
+        elif key == "mics_shard_size" and _zero3(stage) and not harmless(item, (-1,)):
             reading.set("shard_group_size", parse_int(path, item, 1), path)
-        elif key == "zero_hpz_partition_size" and stage == 3 and not harmless(item, (1,)):
+        elif key == "zero_hpz_partition_size" and _zero3(stage) and not harmless(item, (1,)):
             reading.set("reshard_after_forward", parse_int(path, item, 1), path)
-        elif key == "reduce_bucket_size" and stage == 0 and not harmless(item, ("auto",)):
+        elif key == "reduce_bucket_size" and _replicates(stage) and not harmless(item, ("auto",)):
             elements = parse_int(path, item, 1)
             dtype = reading.values.get("reduce_dtype") or "fp32"
             reading.set("bucket_size_mb", elements * _DTYPE_BYTES[dtype] / 2**20, path)
@@ -154,6 +154,20 @@ def _check_batch(reading: Reading, world: int | None) -> None:
             f"{accum} x world size {world} (= {micro * accum * world}); fix one of them or set it to 'auto'",
             ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"),
         )
+
+
+def _zero3(stage: int) -> bool:
+    """The stage frees the full parameters after forward (ZeRO-3, where DeepSpeed has MiCS and hpZ)."""
+    from xshard.sharding.plan import ShardingPlan
+
+    return ShardingPlan.for_stage(stage).reshard_after_forward.frees
+
+
+def _replicates(stage: int) -> bool:
+    """The stage keeps parameters whole and all-reduces gradients in buckets (their size matters)."""
+    from xshard.sharding.plan import GradReduction, ShardingPlan
+
+    return ShardingPlan.for_stage(stage).grad_reduction is GradReduction.ALL_REDUCE
 
 
 def read_deepspeed(data: Mapping[str, Any], reading: Reading, world_size: int | None = None) -> Reading:

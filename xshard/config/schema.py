@@ -105,7 +105,9 @@ class XShardConfig:
     offload_optimizer: bool = _opt(False, "keep optimizer state in host memory (the optimizer steps on the CPU)")
     activation_checkpointing: bool = _opt(False, "recompute each unit's activations in backward "
                                                  "(alias: xla_fsdp_grad_ckpt)")
-    state_dict_type: str = _opt("full", "checkpoints: full (one state dict), sharded (one file per rank), local")
+    state_dict_type: str = _opt("full", "checkpoints: full (one plain model.safetensors), sharded (model rows per "
+                                        "rank, no gather): both resume on any world size and stage; local "
+                                        "(optimizer as saved per rank): same world size and stage only")
     sync_module_states: bool = _opt(False, "broadcast rank 0's parameters and buffers before sharding")
     bucket_size_mb: float = _opt(25.0, "all-reduce bucket size at stage 0, in MiB")
     gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step")
@@ -136,12 +138,15 @@ class XShardConfig:
         self._check_consistency()
 
     def _check_consistency(self) -> None:
-        if self.stage == 0 and (self.shard_group_size is not None or self.reshard_after_forward):
+        from xshard.sharding.plan import ShardingPlan
+
+        shards = ShardingPlan.for_stage(self.stage).shard_parameters
+        if not shards and (self.shard_group_size is not None or self.reshard_after_forward):
             raise XShardConfigError(
                 "shard_group_size and reshard_after_forward need sharded parameters (stage 1, 2 or 3); stage 0 "
                 "replicates them: raise stage (HYBRID_SHARD is 3, _HYBRID_SHARD_ZERO2 2) or unset them",
                 ("stage", "shard_group_size", "reshard_after_forward"))
-        if self.stage == 0 and (self.offload_params or self.offload_optimizer):
+        if not shards and (self.offload_params or self.offload_optimizer):
             raise XShardConfigError(
                 "offload_params/offload_optimizer need stage 1, 2 or 3 (there is no shard to offload at "
                 "stage 0); raise stage or turn offload off", ("stage", "offload_params", "offload_optimizer"))
@@ -372,20 +377,46 @@ def _read_bytes(path: str | os.PathLike) -> bytes:
 
 
 def parse_text(raw: bytes, source: str) -> Any:
-    """The data in a JSON or YAML file's bytes (JSON first: YAML reads JSON's 2e8 as a string)."""
+    """The data in a config file's bytes: a ``.json`` file is JSON only; any other is JSON or YAML.
+
+    JSON is tried first for YAML files too, since YAML 1.1 reads JSON's ``2e8`` as a string. Errors
+    name the file, the line and the column (1-based, as editors count them).
+    """
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise XShardConfigError(f"{source}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
     try:
         return json.loads(text)
-    except (ValueError, RecursionError):
-        pass
+    except json.JSONDecodeError as exc:
+        if source.lower().endswith(".json"):
+            raise XShardConfigError(_json_error(text, exc, source)) from None
+    except (ValueError, RecursionError) as exc:
+        if source.lower().endswith(".json"):
+            raise XShardConfigError(f"{source}: not valid JSON ({exc})") from None
     try:
         return yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = " ".join(part for part in (exc.context, exc.problem) if part)
+        raise XShardConfigError(f"{source}{where}: not valid YAML ({problem}); fix the file there") from None
     except (yaml.YAMLError, RecursionError, ValueError, TypeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise XShardConfigError(f"{source}: neither valid JSON nor valid YAML ({first})") from None
+
+
+def _json_error(text: str, exc: json.JSONDecodeError, source: str) -> str:
+    """One line: where the JSON error is, what it is, and the fix (a trailing comma is named as one)."""
+    before = text[:exc.pos].rstrip()
+    if before.endswith(",") and exc.msg.startswith(("Expecting property name", "Expecting value")):
+        comma = len(before) - 1
+        line = text.count("\n", 0, comma) + 1
+        column = comma - (text.rfind("\n", 0, comma) + 1) + 1
+        return (f"{source}, line {line}, column {column}: a trailing comma, which JSON does not allow; remove it "
+                "(.json files are read as strict JSON)")
+    return (f"{source}, line {exc.lineno}, column {exc.colno}: not valid JSON ({exc.msg}); fix the file there "
+            "(.json files are read as strict JSON)")
 
 
 def read_file(path: str | os.PathLike, script_args: Any = None, env: Mapping[str, str] | None = None) -> Reading:

@@ -132,6 +132,12 @@ class ShardingPlan:
         return self.world_size // self.shard_group_size
 
     @classmethod
+    def for_stage(cls, stage: int | str) -> ShardingPlan:
+        """The plan of ZeRO stage ``stage`` with every other option at its default, on one rank (for
+        code that only needs to know what a stage does: config checks, estimates, reports)."""
+        return cls.from_options(ShardingOptions(stage=stage))
+
+    @classmethod
     def from_options(cls, options: ShardingOptions, world_size: int = 1,
                      local_world_size: int | None = None) -> ShardingPlan:
         """The plan for ``options`` on ``world_size`` ranks, ``local_world_size`` per node (the only

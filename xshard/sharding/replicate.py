@@ -34,6 +34,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from .engine import Engine
+from .unit import used_flags
 
 
 @dataclass(eq=False)
@@ -180,7 +181,7 @@ class ReplicatedEngine(Engine):
                     part.zero_()
                 elif p.grad is not bucket.views.get(id(p)):  # else the gradient already is its view of the bucket
                     part.copy_(p.grad.reshape(-1))
-            flat[bucket.numel:].copy_(torch.tensor(used, dtype=dtype))
+            flat[bucket.numel:].copy_(used_flags(used, 1, dtype, flat.device))
         bucket.all_used_here = all(used)
         bucket.handle = self.collectives.all_reduce(flat, op="avg", async_op=True,
                                                     tag=f"all-reduce of gradient bucket {bucket.index}")

@@ -31,7 +31,7 @@ What it cannot replay, it refuses with the reason: reading a parameter's value d
 to ``nn.Parameter(...)`` with values (``torch.ones``) are kept until sharding unless an init op
 overwrites them entirely first (as torch's layers do with their ``torch.empty``).
 
-With ``sync_module_states`` (unseeded jobs under the Accelerator) rank 0 rebuilds each parameter and
+With ``sync_module_states`` (multi-process jobs under the Accelerator) rank 0 rebuilds each parameter and
 broadcasts it, one at a time, so every rank keeps rank 0's rows.
 """
 

@@ -305,7 +305,7 @@ class Unit:
                     sp.full.grad = None
                 # one flag per parameter, repeated for every rank's slice: each rank receives the
                 # average over ranks of "had a gradient" (> 0: some rank used it)
-                inputs.append(torch.tensor(used * world, dtype=dtype).to(rt.device))
+                inputs.append(used_flags(used, world, dtype, rt.device))
                 handle = rt.collectives.reduce_scatter_tensors(
                     outputs, inputs, op="avg", async_op=True, tag=f"reduce-scatter of unit {self.name}")
                 groups.append(_PendingGroup(sps, handle, outputs, inputs, all(used), flat))
@@ -326,6 +326,17 @@ class Unit:
                     sp.user.grad = shard  # a view of ``out``, which nothing else reuses
                 else:
                     sp.user.grad.add_(shard)
+
+
+def used_flags(used: list[bool], repeats: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``used`` as 1/0 values, repeated ``repeats`` times, made on ``device`` without a host-to-device copy
+    (a copy from pageable host memory would wait for the device's queue: no overlap in backward).
+    One fill in the common case where every flag is 1; one more per unused parameter."""
+    flags = torch.ones(repeats, len(used), dtype=dtype, device=device)
+    for i, was_used in enumerate(used):
+        if not was_used:
+            flags[:, i].zero_()
+    return flags.view(-1)
 
 
 def _reduce_input(grad: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

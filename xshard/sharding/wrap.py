@@ -9,11 +9,14 @@ gradient contributions are summed by autograd before the unit reduces it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from .options import ShardingOptions
+
+log = logging.getLogger("xshard.sharding")
 
 
 @dataclass
@@ -38,15 +41,7 @@ def _class_names(model: nn.Module) -> list[str]:
     return sorted({type(m).__name__ for m in model.modules()})
 
 
-def _transformer_units(model: nn.Module, names: list[str] | None) -> set[nn.Module]:
-    if names is None:
-        names = list(getattr(model, "_no_split_modules", None) or [])
-        if not names:
-            raise ValueError(
-                f"auto_wrap_policy='transformer' needs transformer_layer_cls_to_wrap: {type(model).__name__} has "
-                f"no _no_split_modules. Name the layer class (the model has {_class_names(model)}), or use "
-                "auto_wrap_policy='size' or 'none'"
-            )
+def _transformer_units(model: nn.Module, names: list[str]) -> set[nn.Module]:
     present = {type(m).__name__ for m in model.modules()}
     missing = [n for n in names if n not in present]
     if missing:
@@ -91,8 +86,16 @@ def _size_units(model: nn.Module, min_num_params: int) -> set[nn.Module]:
 
 def split_into_units(model: nn.Module, options: ShardingOptions) -> list[UnitSpec]:
     """The model's units by ``options.auto_wrap_policy``; the root unit first, then forward-definition order."""
-    if options.auto_wrap_policy == "transformer":
-        unit_modules = _transformer_units(model, options.transformer_layer_cls_to_wrap)
+    names = options.transformer_layer_cls_to_wrap or list(getattr(model, "_no_split_modules", None) or [])
+    if options.auto_wrap_policy == "transformer" and not names:
+        # the default policy on a model that names no block class (any plain PyTorch or torchvision
+        # model): size-based units, as a user of FSDP's size_based_auto_wrap_policy would choose
+        log.info("%s names no block class (_no_split_modules) and transformer_layer_cls_to_wrap is unset: units "
+                 "by size instead (auto_wrap_policy='size', min_num_params=%d; the model's classes are %s)",
+                 type(model).__name__, int(options.min_num_params), _class_names(model))
+        unit_modules = _size_units(model, int(options.min_num_params))
+    elif options.auto_wrap_policy == "transformer":
+        unit_modules = _transformer_units(model, names)
     elif options.auto_wrap_policy == "size":
         unit_modules = _size_units(model, int(options.min_num_params))
     else:

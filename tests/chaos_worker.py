@@ -1,0 +1,89 @@
+"""One rank of the chaos test's training job (started by tests/test_checkpoint_chaos.py as a real process).
+
+    python chaos_worker.py OUT_DIR    (with torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
+
+Resumes from the newest complete checkpoint under OUT_DIR if there is one (``missing_ok=True``: the
+first run has none), trains to ``TOTAL_STEPS`` optimizer steps with a checkpoint every
+``SAVE_EVERY`` steps (``save_total_limit=2``), and rank 0 finally writes the full weights to
+``OUT_DIR/final.pt``. Every rank prints ``EVENT <name> <step>`` lines (flushed) so that the driver
+can kill a rank at a chosen moment. After each checkpoint the loop starts a fresh pass over the
+loader, in the uninterrupted run and in a resumed one alike, so the two consume the same random
+numbers (dropout is on) and must end bit for bit equal.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+TOTAL_STEPS, SAVE_EVERY, GLOBAL_BATCH, N, DIM, WIDTH = 12, 3, 4, 40, 8, 96
+
+
+def event(name: str, step: int) -> None:
+    print(f"EVENT {name} {step}", flush=True)
+
+
+class Net(nn.Module):
+    _no_split_modules = ["Block"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, WIDTH)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH), nn.Tanh())
+                                    for _ in range(3))
+        self.drop = nn.Dropout(0.1)
+        self.out = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + self.drop(block(h))
+        return nn.functional.mse_loss(self.out(h).squeeze(-1), y)
+
+
+def main(out: Path) -> None:
+    import xshard
+
+    torch.set_num_threads(1)
+    acc = xshard.Accelerator(config={"stage": 3, "auto_wrap_policy": "none"}, seed=0, timeout=60)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(N, DIM, generator=g)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
+    loader = DataLoader(TensorDataset(x, x.sum(-1).sin()), batch_size=GLOBAL_BATCH // acc.world_size, shuffle=True)
+    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    event("load_begin", 0)
+    acc.load_state(out, resume_from_checkpoint=True, missing_ok=True)
+    event("loaded", acc.step)
+    while acc.step < TOTAL_STEPS:
+        while True:  # one segment: fresh passes over the loader until the next multiple of SAVE_EVERY
+            for xb, yb in loader:
+                acc.backward(model(xb, yb))
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                event("step", acc.step)
+                if acc.step % SAVE_EVERY == 0:
+                    break
+            if acc.step % SAVE_EVERY == 0:
+                break
+        event("save_begin", acc.step)
+        acc.save_state(out / f"checkpoint-{acc.step}", save_total_limit=2)
+        event("saved", acc.step)
+    weights = model.full_state_dict()
+    if acc.is_main_process:
+        tmp = out / "final.pt.tmp"
+        torch.save(weights, tmp)
+        os.replace(tmp, out / "final.pt")
+    event("done", acc.step)
+    acc.end()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

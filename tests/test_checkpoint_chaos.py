@@ -1,0 +1,205 @@
+"""Chaos: a random rank of a 2-rank training job is SIGKILLed at a random moment (starting, loading,
+training, mid-save, mid-rotation), again and again; after every kill the latest complete checkpoint
+verifies file by file, the next run resumes from exactly that one, and the run that finally
+completes ends bit for bit equal to an uninterrupted one.
+
+``make test`` runs a few trials; ``XSHARD_CHAOS_TRIALS=200`` runs more (``XSHARD_CHAOS_SEED`` picks
+the random plan, ``XSHARD_CHAOS_REPORT=path.json`` writes the outcome of every trial).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import free_port
+
+from xshard.checkpoint.files import MANIFEST, latest_checkpoint, read_manifest, verify_file
+
+pytestmark = pytest.mark.multiprocess
+
+TRIALS = int(os.environ.get("XSHARD_CHAOS_TRIALS", "2"))
+SEED = int(os.environ.get("XSHARD_CHAOS_SEED", "1311"))
+KILLS_PER_TRIAL = 3  # at most this many killed runs before the run that must complete
+WORKER = Path(__file__).with_name("chaos_worker.py")
+ROOT = Path(__file__).resolve().parent.parent
+TOTAL_STEPS, SAVE_EVERY = 12, 3
+
+
+class Job:
+    """The two ranks of one run of chaos_worker.py, with their events as they happen."""
+
+    def __init__(self, out: Path, logs: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+        self.events: list[tuple[int, str, int]] = []
+        self.cond = threading.Condition()
+        self.procs = []
+        logs.mkdir(parents=True, exist_ok=True)
+        for rank in range(2):
+            err = open(logs / f"rank{rank}.txt", "w")
+            proc = subprocess.Popen([sys.executable, str(WORKER), str(out)], stdout=subprocess.PIPE, stderr=err,
+                                    text=True, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+            err.close()
+            self.procs.append(proc)
+            threading.Thread(target=self._read, args=(rank, proc), daemon=True).start()
+
+    def _read(self, rank: int, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == "EVENT":
+                with self.cond:
+                    self.events.append((rank, parts[1], int(parts[2])))
+                    self.cond.notify_all()
+
+    def wait_for(self, rank: int, name: str, step: int, timeout: float) -> bool:
+        """Block until ``rank`` reports ``name step`` (False if it never does)."""
+        with self.cond:
+            return self.cond.wait_for(lambda: (rank, name, step) in self.events
+                                      or self.procs[rank].poll() is not None, timeout) and (
+                (rank, name, step) in self.events)
+
+    def kill(self, rank: int) -> bool:
+        """SIGKILL ``rank``; False when it had already exited."""
+        if self.procs[rank].poll() is not None:
+            return False
+        os.kill(self.procs[rank].pid, signal.SIGKILL)
+        self.procs[rank].wait()
+        return True
+
+    def wait(self, timeout: float) -> list[int | None]:
+        """Exit codes once both ranks ended (None: still running at the deadline)."""
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [p.poll() for p in self.procs]
+
+    def stop(self) -> None:
+        for rank in range(2):
+            self.kill(rank)
+
+
+def _checkpoint_step(out: Path) -> int:
+    """Step of the newest complete checkpoint under ``out`` (0: none), after verifying every file it lists."""
+    latest = latest_checkpoint(out)
+    if latest is None:
+        return 0
+    manifest = read_manifest(latest)
+    for name in manifest["files"]:
+        verify_file(latest, name, manifest)  # size and sha256 of every file: complete means whole
+    return int(manifest["step"])
+
+
+def _events_ahead(step: int) -> list[tuple[str, int]]:
+    """The events a run resuming at ``step`` goes through."""
+    ahead = [("load_begin", 0), ("loaded", step)]
+    for s in range(step + 1, TOTAL_STEPS + 1):
+        ahead.append(("step", s))
+        if s % SAVE_EVERY == 0:
+            ahead += [("save_begin", s), ("saved", s)]
+    return ahead
+
+
+def _tmp_folders(out: Path) -> set[tuple[str, int]]:
+    """The save folders under way (or left by a killed save) under ``out``, with their inodes."""
+    found = set()
+    for p in out.iterdir():
+        try:
+            if p.name.endswith(".tmp"):
+                found.add((p.name, p.stat().st_ino))
+        except FileNotFoundError:  # renamed into place meanwhile
+            pass
+    return found
+
+
+def _killed_run(out: Path, logs: Path, rng: random.Random) -> dict:
+    """One run with one rank SIGKILLed at a random moment; returns what happened."""
+    resume_step = _checkpoint_step(out)
+    victim = rng.randrange(2)
+    leftovers = _tmp_folders(out)
+    job = Job(out, logs)
+    ahead = _events_ahead(resume_step)
+    family = rng.random()
+    if family < 0.2:  # a moment anywhere, start-up included
+        name, step = "after_start", 0
+        time.sleep(rng.uniform(0.0, 4.0))
+    else:  # an event of either rank (40%: the start of a save), then a random part of what follows it
+        saves = [e for e in ahead if e[0] == "save_begin"]
+        name, step = rng.choice(saves) if family < 0.6 and saves else rng.choice(ahead)
+        job.wait_for(rng.randrange(2), name, step, timeout=120)
+        time.sleep(rng.choice([0.0, rng.uniform(0.0, 0.005), rng.uniform(0.0, 0.05), rng.uniform(0.0, 0.2)]))
+    mid_save = bool(_tmp_folders(out) - leftovers)  # a save of this run was under way
+    killed = job.kill(victim)
+    codes = job.wait(timeout=15)  # the survivor fails on its own once it meets its peer in a collective
+    survivor = 1 - victim
+    outcome = {"resume_step": resume_step, "victim": victim, "at": f"{name} {step}", "killed": killed,
+               "mid_save": mid_save,
+               "survivor_exit": codes[survivor], "survivor_exited_by_itself": codes[survivor] is not None}
+    job.stop()
+    outcome["checkpoint_step_after"] = _checkpoint_step(out)
+    outcome["tmp_left"] = sorted(p.name for p in out.iterdir() if p.name.endswith((".tmp", ".deleted")))
+    return outcome
+
+
+def _clean_run(out: Path, logs: Path) -> tuple[int, list[int | None]]:
+    """A run without kills: the step it resumed from and the exit codes."""
+    job = Job(out, logs)
+    codes = job.wait(timeout=240)
+    job.stop()
+    loaded = [s for r, n, s in job.events if n == "loaded" and r == 0]
+    return (loaded[0] if loaded else -1), codes
+
+
+@pytest.mark.timeout(240 + 240 * TRIALS)  # a run of the job takes seconds; a loaded machine may take minutes
+def test_kills_at_random_moments_never_cost_the_run(tmp_path):
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    loaded, codes = _clean_run(reference_dir, tmp_path / "logs" / "reference")
+    assert codes == [0, 0] and loaded == 0, (tmp_path / "logs" / "reference" / "rank0.txt").read_text()[-3000:]
+    reference = torch.load(reference_dir / "final.pt", weights_only=True)
+
+    rng = random.Random(SEED)
+    trials = []
+    for trial in range(TRIALS):
+        out = tmp_path / f"trial{trial}"
+        out.mkdir()
+        kills = []
+        for run in range(rng.randint(1, KILLS_PER_TRIAL)):
+            kills.append(_killed_run(out, tmp_path / "logs" / f"trial{trial}.run{run}", rng))
+            if (out / "final.pt").exists():  # the kill came after the end: nothing left to resume
+                break
+        expected = _checkpoint_step(out)
+        final_logs = tmp_path / "logs" / f"trial{trial}.final"
+        loaded, codes = _clean_run(out, final_logs)
+        assert codes == [0, 0], (trial, kills, (final_logs / "rank0.txt").read_text()[-3000:])
+        assert loaded == expected, (trial, kills)  # resumed from exactly the latest complete checkpoint
+        final = torch.load(out / "final.pt", weights_only=True)
+        assert final.keys() == reference.keys()
+        assert all(torch.equal(final[k], v) for k, v in reference.items()), (trial, kills)  # bit for bit
+        trials.append({"trial": trial, "kills": kills, "resumed_from": loaded})
+
+    where = collections.Counter(k["at"].split()[0] for t in trials for k in t["kills"])
+    summary = {"trials": TRIALS, "seed": SEED, "kills": sum(len(t["kills"]) for t in trials),
+               "kill_points": dict(where),
+               "killed_mid_save": sum(k["mid_save"] for t in trials for k in t["kills"]),
+               "survivor_exited_by_itself": sum(k["survivor_exited_by_itself"] for t in trials for k in t["kills"]),
+               "runs_all_equal_reference": True}
+    print(json.dumps(summary))
+    report = os.environ.get("XSHARD_CHAOS_REPORT")
+    if report:
+        Path(report).write_text(json.dumps({"summary": summary, "trials": trials}, indent=1))
+    assert not any(MANIFEST in os.listdir(tmp_path / f"trial{t}") for t in range(TRIALS))  # sanity: a folder of
+    # checkpoints is never itself a checkpoint

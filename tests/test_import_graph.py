@@ -1,0 +1,118 @@
+"""The import graph of xshard/ and backends/ (installed as xshard.backends) has no circle.
+
+Every import a module runs (at module level or inside a function; annotations under
+``TYPE_CHECKING`` excluded, since they never run) is an edge. No module may reach itself, and the
+packages (xshard.sharding, xshard.checkpoint, xshard.config, xshard.cli, xshard.backends and the
+top-level modules) form no circle either. The README's ARCHITECTURE drawing is this graph.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] == "backends":
+        parts = ["xshard", "backends", *parts[1:]]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for base in ("xshard", "backends") for p in (ROOT / base).rglob("*.py")}
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    typing_only = {id(sub) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for sub in ast.walk(node)}
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in typing_only]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the xshard modules it imports."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in _runtime_imports(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join([*base, *([node.module] if node.module else [])]) if node.level else node.module
+                targets = [target, *(f"{target}.{a.name}" for a in node.names)]
+            else:
+                targets = [a.name for a in node.names]
+            graph[name] |= {t for t in targets if t in modules and t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def package_of(module: str) -> str:
+    """xshard.sharding.unit -> xshard.sharding; xshard.accelerator -> xshard.accelerator."""
+    return ".".join(module.split(".")[:2])
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        for t in targets:
+            a, b = package_of(module), package_of(t)
+            if a != b:
+                out.setdefault(a, set()).add(b)
+    return out
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_no_package_imports_itself_through_others() -> None:
+    assert cycles(package_graph(import_graph())) == []
+
+
+def test_the_device_layer_knows_nothing_of_sharding_or_the_user_api() -> None:
+    reached = {t for m, ts in import_graph().items() if m.startswith("xshard.backends") for t in ts}
+    assert {package_of(t) for t in reached} <= {"xshard.backends"}
+
+
+def test_the_core_knows_nothing_of_the_user_api() -> None:
+    reached = {package_of(t) for m, ts in import_graph().items() if m.startswith("xshard.sharding") for t in ts}
+    assert reached <= {"xshard.sharding", "xshard.backends"}
+
+
+def test_a_circle_is_found_when_there_is_one() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
