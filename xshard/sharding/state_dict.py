@@ -221,8 +221,10 @@ def local_pieces(model: Any) -> dict[str, LocalPiece]:
     for key, value in entries.items():
         p = by_key.get(key)
         layout = layouts.get(id(p)) if p is not None else None
-        if layout is not None and layout.world_size > 1:
-            out[key] = LocalPiece(key, tuple(layout.shape), layout.start, layout.stop, value, True, first_replica)
+        if layout is not None:  # the layout's shape: a 0-dim parameter's shard is one row
+            sharded = layout.world_size > 1
+            out[key] = LocalPiece(key, tuple(layout.shape), layout.start, layout.stop, value, sharded,
+                                  first_replica if sharded else first_rank)
         else:
             shape = tuple(value.shape)
             out[key] = LocalPiece(key, shape, 0, rows_of(shape), value, False, first_rank)
