@@ -161,3 +161,25 @@ def test_accelerator_sharded_init_with_an_optimizer_built_before_prepare() -> No
     for key, value in plain.state_dict().items():
         torch.testing.assert_close(state[key], value, atol=1e-6, rtol=0, msg=lambda m, k=key: f"{k}: {m}")
     acc.end_training()
+
+
+def _accelerator_worker(rank: int, world_size: int) -> dict:
+    """A script that seeds each rank differently before building under accelerator.sharded_init()."""
+    acc = xshard.Accelerator(config={"stage": 3})
+    torch.manual_seed(100 + rank)
+    with acc.sharded_init():
+        model = TinyLM()
+    model = acc.prepare(model)
+    state = model.state_dict()
+    acc.end_training()
+    return state
+
+
+def test_accelerator_prepare_gives_every_rank_rank_0s_sharded_init_values() -> None:
+    states = run_workers(_accelerator_worker, 2)
+    torch.manual_seed(100)
+    plain = TinyLM().state_dict()
+    for state in states:
+        assert state.keys() == plain.keys()
+        for key, value in plain.items():
+            assert torch.equal(state[key], value), key
