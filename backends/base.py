@@ -99,6 +99,7 @@ class Backend(DeviceAPI, CommunicationAPI):
         self.world = world if world is not None else World.from_env()
         self._collectives: Collectives | None = None
         self._owns_process_group = False
+        self._subgroups = {}
 
     # ------------------------------------------------------------------ probing
     @classmethod

@@ -27,6 +27,12 @@ Averages (``op="avg"``) are computed in one place, ``average_factors``: the coll
 the process group has one, else SUM then divide; fp16 sums of N values can overflow, so fp16 is
 pre-divided by about sqrt(N) and post-divided by the rest (as PyTorch FSDP does).
 
+Subgroups (hybrid sharding: a shard group inside a node, a replica group across nodes): collectives over
+a subgroup are ``Collectives`` of their own, made by the Backend (``group_collectives``) and tied to the
+job's world collectives with ``share_books``: they add to the same byte counter, under their kind plus
+a suffix naming the group (e.g. ``all_reduce_inter`` for the replica group), to the same trace (so
+``verify_same_collectives`` compares them too) and to the same numbering of the hang diagnosis.
+
 Every call may carry a ``tag`` naming what it moves (e.g. "all-gather of unit layers.3"). Calls are
 numbered and fingerprinted (``CollectiveTrace``), so ``verify_same_collectives`` can tell, with one
 tiny all-reduce, whether every rank issued the same collectives since the last check, and name the
@@ -205,6 +211,25 @@ class Collectives:
         self.issued = 0
         self._label = ""
         self.monitor: CollectiveMonitor | None = None
+        #: appended to every kind this object counts (``"_inter"``: ``all_reduce_inter``); see ``share_books``
+        self.kind_suffix = ""
+        #: the object whose counter, trace, numbering and monitor this one uses (itself unless shared)
+        self._books: Collectives = self
+
+    def share_books(self, parent: Collectives, kind_suffix: str = "") -> Collectives:
+        """Count into ``parent``'s books: its byte counter (kinds + ``kind_suffix``), its trace (what
+        ``verify_same_collectives`` compares) and its numbering and monitor (the hang diagnosis).
+
+        For subgroup collectives: one step's traffic, over every group, then shows in one counter,
+        and a rank that skipped a subgroup collective is caught like one that skipped any other.
+        Returns ``self``.
+        """
+        books = parent._books
+        self._books = books
+        self.counter = books.counter
+        self.trace = books.trace
+        self.kind_suffix = kind_suffix
+        return self
 
     # All public methods return a Handle when async_op=True, else None (the work is done). ``tag``
     # names what the call moves, for the collective trace and for error messages.
@@ -292,10 +317,12 @@ class Collectives:
 
     # ------------------------------------------------------------------ accounting and averages
     def _record(self, kind: str, tag: str | None, nbytes: int, numel: int) -> None:
-        self.counter.add(kind, nbytes)
-        self.trace.record(kind, tag, numel)
-        self.issued += 1
-        self._label = tag or kind
+        kind += self.kind_suffix
+        books = self._books
+        books.counter.add(kind, nbytes)
+        books.trace.record(kind, tag, numel)
+        books.issued += 1
+        books._label = tag or kind
 
     def _pre_average(self, op: str, dtype: torch.dtype, inputs: list[torch.Tensor]) -> tuple[str, float]:
         """The op to issue for ``op`` on ``inputs``, pre-dividing them where ``average_factors`` says;
@@ -321,7 +348,8 @@ class Collectives:
         return Handle([handle], outputs, divide)
 
     def _result(self, handle: Handle, async_op: bool) -> Handle | None:
-        handle.watch(self.monitor, self.issued, self._label)
+        books = self._books
+        handle.watch(books.monitor, books.issued, books._label)
         if async_op:
             return handle
         handle.wait()
@@ -462,7 +490,11 @@ class DistCollectives(Collectives):
     Args:
         native_avg: the process group implements ReduceOp.AVG; otherwise SUM then divide.
         reduce_scatter_via_all_reduce: implement reduce-scatter as an all-reduce of the whole buffer
-            and a copy of this rank's slice (faster than gloo's own reduce-scatter).
+            and a copy of this rank's slice (faster than gloo's own reduce-scatter, but it moves an
+            all-reduce's bytes: at stage 3 a step then sends 4 psi where 3 psi is the logical figure).
+        reduce_scatter_via_reduce: implement reduce-scatter as one ``reduce`` per rank, of that rank's
+            slice to that rank (the logical bytes of a reduce-scatter; see ``backends/cpu.py`` for
+            which of the two the CPU backend uses, and why).
         all_gather_via_broadcast: implement all-gather as one broadcast per rank into the output's
             slices (faster than gloo's own all-gather; no staging copy).
         group: the process group (default: the world).
@@ -477,6 +509,7 @@ class DistCollectives(Collectives):
         native_avg: bool = False,
         reduce_scatter_via_all_reduce: bool = False,
         all_gather_via_broadcast: bool = False,
+        reduce_scatter_via_reduce: bool = False,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
         timeout: float | None = None,
@@ -488,7 +521,10 @@ class DistCollectives(Collectives):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.native_avg = native_avg
+        if reduce_scatter_via_all_reduce and reduce_scatter_via_reduce:
+            raise ValueError("choose one of reduce_scatter_via_all_reduce and reduce_scatter_via_reduce")
         self.reduce_scatter_via_all_reduce = reduce_scatter_via_all_reduce
+        self.reduce_scatter_via_reduce = reduce_scatter_via_reduce
         self.all_gather_via_broadcast = all_gather_via_broadcast
         self._global_ranks = [dist.get_global_rank(group, r) if group is not None else r
                               for r in range(self.world_size)]
@@ -526,26 +562,35 @@ class DistCollectives(Collectives):
         return Handle(works, outputs)
 
     def _reduce_scatter(self, output, input, op):
-        if self.reduce_scatter_via_all_reduce:
-            return self._reduce_by_all_reduce([output], [input], op, output)
+        if self.reduce_scatter_via_all_reduce or self.reduce_scatter_via_reduce:
+            return self._reduce_in_place([output], [input], op, output)
         dop, divisor = self._dist_op(op)
         work = _reduce_scatter_single(output, input, op=dop, group=self.group, async_op=True)
         return Handle([work], output, (lambda: output.div_(divisor)) if divisor is not None else None)
 
     def _reduce_scatter_many(self, outputs, inputs, op):
-        if not self.reduce_scatter_via_all_reduce:
-            return super()._reduce_scatter_many(outputs, inputs, op)
-        return self._reduce_by_all_reduce(outputs, inputs, op, outputs)
+        if self.reduce_scatter_via_all_reduce or self.reduce_scatter_via_reduce:
+            return self._reduce_in_place(outputs, inputs, op, outputs)
+        return super()._reduce_scatter_many(outputs, inputs, op)
 
-    def _reduce_by_all_reduce(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str,
-                              result: object) -> Handle:
-        """Reduce-scatter as an all-reduce of each input and a copy of this rank's slice.
+    def _reduce_in_place(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str,
+                         result: object) -> Handle:
+        """Reduce-scatter with gloo operations that beat its own: each input is reduced in place (it is
+        the caller's scratch: no packing buffer) and this rank's slice is copied out, with the
+        average's divide folded into the copy.
 
-        Faster than gloo's own reduce-scatter. Each input is reduced in place (it is the caller's
-        scratch: no packing buffer), and the average's divide is folded into the slice copy.
+        ``reduce_scatter_via_all_reduce``: one all-reduce of each input (every rank gets every slice);
+        ``reduce_scatter_via_reduce``: one ``reduce`` of each rank's slice to that rank.
         """
         dop, divisor = self._dist_op(op)
-        works = [dist.all_reduce(t, op=dop, group=self.group, async_op=True) for t in inputs]
+        if self.reduce_scatter_via_reduce:
+            works = []
+            for t, out in zip(inputs, outputs, strict=True):
+                n, flat = out.numel(), t.view(-1)
+                works += [dist.reduce(flat[r * n:(r + 1) * n], dst=self._global_ranks[r], op=dop, group=self.group,
+                                      async_op=True) for r in range(self.world_size)]
+        else:
+            works = [dist.all_reduce(t, op=dop, group=self.group, async_op=True) for t in inputs]
 
         def finish() -> None:
             for out, t in zip(outputs, inputs, strict=True):

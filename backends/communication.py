@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch.distributed as dist
@@ -42,6 +43,8 @@ class CommunicationAPI:
     world: World
     _collectives: Collectives | None
     _owns_process_group: bool
+    #: subgroup collectives made by ``group_collectives``, by (groups, kind suffix)
+    _subgroups: dict[tuple[tuple[tuple[int, ...], ...], str], Collectives]
     #: the process group's timeout, once started (the collectives' hang diagnosis reads it)
     _timeout: datetime.timedelta | None = None
 
@@ -112,6 +115,7 @@ class CommunicationAPI:
             dist.destroy_process_group()
         self._owns_process_group = False
         self._collectives = None
+        self._subgroups.clear()
 
     # ------------------------------------------------------------------ collectives
     @property
@@ -140,6 +144,51 @@ class CommunicationAPI:
     def collective_options(self) -> dict[str, Any]:
         """Per-backend choices of how DistCollectives implements each operation."""
         return {}
+
+    def group_collectives(self, groups: Sequence[Sequence[int]], kind_suffix: str = "") -> Collectives:
+        """Collectives over the one group of ``groups`` that holds this rank.
+
+        ``groups`` lists disjoint groups of global ranks covering the whole job (e.g. hybrid sharding's
+        shard groups, one per node, or its replica groups, across nodes). Every rank must call this
+        with the same ``groups`` in the same order, because making a process group is itself collective
+        on c10d (every rank creates every group) and XLA's replica groups name every group in every
+        collective. The result counts into ``collectives``' books (``Collectives.share_books``), its
+        kinds suffixed with ``kind_suffix``. Made once per backend and reused: a second model with the
+        same groups creates no new process group. A group of the whole job is ``collectives`` itself
+        (when the suffix is empty); a group of one rank is ``local_collectives()``.
+        """
+        key = (tuple(tuple(int(r) for r in g) for g in groups), str(kind_suffix))
+        cached = self._subgroups.get(key)
+        if cached is not None:
+            return cached
+        world, rank = self.world.world_size, self.world.rank
+        flat = sorted(r for g in key[0] for r in g)
+        if flat != list(range(world)) or any(not g for g in key[0]):
+            raise ValueError(f"group_collectives: the groups {[list(g) for g in key[0]]} must split the ranks "
+                             f"0..{world - 1} into disjoint, non-empty groups (each rank in exactly one)")
+        mine = next(g for g in key[0] if rank in g)
+        if len(mine) == world and not kind_suffix:
+            made = self.collectives
+        elif len(mine) == 1:
+            made = self.local_collectives().share_books(self.collectives, kind_suffix)
+        else:
+            made = self._subgroup_collectives(key[0], mine).share_books(self.collectives, kind_suffix)
+        self._subgroups[key] = made
+        return made
+
+    def _subgroup_collectives(self, groups: tuple[tuple[int, ...], ...], mine: tuple[int, ...]) -> Collectives:
+        """Collectives over ``mine``, one of ``groups`` (c10d: every rank creates every group, in order)."""
+        if not dist.is_initialized():
+            raise RuntimeError(f"{self.name}: subgroups need the job's process group: call "
+                               "backend.init_process_group() (Accelerator does this) first")
+        kwargs: dict[str, Any] = {} if self._timeout is None else {"timeout": self._timeout}
+        handle = None
+        for ranks in groups:
+            group = dist.new_group(list(ranks), **kwargs)
+            if ranks == mine:
+                handle = group
+        return DistCollectives(native_avg=self.native_avg, group=handle, device=self.device(),  # type: ignore[attr-defined]
+                               **self.collective_options())
 
 
 def as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedelta | None:

@@ -268,6 +268,11 @@ class XLABackend(Backend):
             self.world.rank, self.world.world_size, channel_ids=self.runtime_device_type() == "CPU"
         )
 
+    def _subgroup_collectives(self, groups: tuple[tuple[int, ...], ...], mine: tuple[int, ...]) -> Collectives:
+        """Collectives within ``mine``: torch_xla's replica groups (``groups=`` on every collective)."""
+        return XLACollectives(mine.index(self.world.rank), len(mine),
+                              channel_ids=self.runtime_device_type() == "CPU", groups=[list(g) for g in groups])
+
     # ------------------------------------------------------------------ training hooks
     def mark_step(self) -> None:
         """Cut the traced graph here and run it (torch_xla.sync, or xm.mark_step on older torch_xla)."""

@@ -61,9 +61,14 @@ class XLASingleReplicaCollectives(SingleProcessCollectives):
 
 
 class XLACollectives(Collectives):
-    """Collectives among all XLA replicas of the job (rank = global ordinal).
+    """Collectives among the XLA replicas of the job, or of one replica group.
 
     Args:
+        rank, world_size: this replica's place in its group (the whole job: the global ordinal).
+        groups: the replica groups, as global ordinals, when the collectives run within groups
+            (hybrid sharding): every collective names every group (``groups=`` of torch_xla's
+            collectives) and reduces or gathers within the one that holds this replica. None: one
+            group of every replica.
         channel_ids: give every collective an explicit channel id (its position in the current
             graph) and unpinned layout. Needed where replicas are threads of one process that each
             compile their own copy of the graph (the XLA:CPU client): XLA:CPU matches the replicas
@@ -74,11 +79,13 @@ class XLACollectives(Collectives):
             TPUs run one program per process with pinned layouts and do not need this.
     """
 
-    def __init__(self, rank: int, world_size: int, channel_ids: bool = False) -> None:
+    def __init__(self, rank: int, world_size: int, channel_ids: bool = False,
+                 groups: list[list[int]] | None = None) -> None:
         super().__init__()
         self.rank = rank
         self.world_size = world_size
         self.channel_ids = channel_ids
+        self.groups = [list(g) for g in groups] if groups is not None else None
         self._next_channel = 1
         self._xm = xla_model()
 
@@ -89,13 +96,16 @@ class XLACollectives(Collectives):
     def _placement(self) -> dict[str, Any]:
         """Extra arguments of one all_gather / reduce_scatter call (see ``channel_ids``)."""
         if not self.channel_ids:
-            return {}
-        channel = self._next_channel
+            return {} if self.groups is None else {"groups": self.groups}
+        # one numbering per graph for every group's collectives (channel ids must not repeat in a
+        # graph): the books' owner (the job's world collectives, see share_books) keeps it
+        owner = self._books if isinstance(self._books, XLACollectives) else self
+        channel = owner._next_channel
         if channel == 1:  # the first collective of this graph: renumber from 1 after the cut
-            self._xm.add_step_closure(self.new_graph)
-        self._next_channel += 1
+            self._xm.add_step_closure(owner.new_graph)
+        owner._next_channel += 1
         return {
-            "groups": [list(range(self.world_size))],
+            "groups": self.groups if self.groups is not None else [list(range(self.world_size))],
             "pin_layout": False,
             "channel_id": channel,
             "use_global_device_ids": True,
@@ -125,7 +135,7 @@ class XLACollectives(Collectives):
     def _reduced(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """``tensor`` reduced over all replicas (a new tensor)."""
         if not self.channel_ids:
-            return self._xm.all_reduce(_XLA_REDUCE[op], tensor)
+            return self._xm.all_reduce(_XLA_REDUCE[op], tensor, groups=self.groups)
         # xm.all_reduce takes no channel id: gather every replica's copy and reduce it locally,
         # the same program on every replica, so the same result everywhere. One collective
         # instead of a reduce-scatter plus an all-gather; this path serves XLA:CPU testing only,

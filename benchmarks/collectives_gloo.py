@@ -4,7 +4,9 @@
     python benchmarks/collectives_gloo.py --world-sizes 2 --mb 16 --repeats 3
 
 Every rank runs with OMP_NUM_THREADS=1. Each operation is timed on every rank between barriers; a
-repeat's time is the slowest rank's, and the table shows the median over repeats, in milliseconds.
+repeat times every column once, in turn (round-robin, so a change in the machine's load hits every
+column alike); a repeat's time is the slowest rank's, and the table shows the median over repeats,
+in milliseconds.
 
 The buffer is the unsharded tensor: reduce-scatter reduces a ``--mb`` buffer and keeps 1/world of it,
 all-gather fills a ``--mb`` buffer from 1/world per rank. "xshard" columns call the CPU backend's own
@@ -40,6 +42,8 @@ COLUMNS = {
     "rs_all_reduce_slice": "all_reduce + own slice",
     "rs_reduces": "one reduce per rank",
     "rs_xshard": "xshard reduce_scatter",
+    "rs_xshard_all_reduce": "xshard, via all_reduce",
+    "rs_xshard_reduces": "xshard, via one reduce per rank",
     "ag_gloo": "all_gather_into_tensor (gloo)",
     "ag_broadcasts": "one broadcast per rank",
     "ag_xshard": "xshard all_gather",
@@ -58,6 +62,9 @@ def _operations(numel: int) -> dict[str, Callable[[], None]]:
     out_full = torch.empty(shard * world)
     out_part = torch.empty(shard)
     xshard = DistCollectives(native_avg=CPUBackend.native_avg, **CPUBackend().collective_options())
+    # the two gloo forms of reduce-scatter the CPU backend can choose between, explicitly
+    via_all_reduce = DistCollectives(native_avg=False, reduce_scatter_via_all_reduce=True)
+    via_reduces = DistCollectives(native_avg=False, reduce_scatter_via_reduce=True)
 
     def all_reduce_slice() -> None:
         dist.all_reduce(full)
@@ -81,6 +88,8 @@ def _operations(numel: int) -> dict[str, Callable[[], None]]:
         "rs_all_reduce_slice": all_reduce_slice,
         "rs_reduces": reduces,
         "rs_xshard": lambda: xshard.reduce_scatter_tensor(out_part, full, op="sum"),
+        "rs_xshard_all_reduce": lambda: via_all_reduce.reduce_scatter_tensor(out_part, full, op="sum"),
+        "rs_xshard_reduces": lambda: via_reduces.reduce_scatter_tensor(out_part, full, op="sum"),
         "ag_gloo": lambda: _all_gather_single(out_full, part),
         "ag_broadcasts": broadcasts,
         "ag_xshard": lambda: xshard.all_gather_into_tensor(out_full, part),
@@ -92,17 +101,19 @@ def worker(mb: float, repeats: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     numel = int(mb * 2**20) // 4
-    times: dict[str, list[float]] = {}
-    for key, op in _operations(numel).items():
+    operations = _operations(numel)
+    times: dict[str, list[float]] = {key: [] for key in operations}
+    for op in operations.values():
         dist.barrier()
         op()  # warm-up: first-touch of buffers and gloo's pairs
-        samples = []
-        for _ in range(repeats):
+    # round-robin: every repeat times each column once, so drift in the machine's load (it is shared)
+    # spreads over all columns instead of favouring the ones timed while it was quiet
+    for _ in range(repeats):
+        for key, op in operations.items():
             dist.barrier()
             start = time.perf_counter()
             op()
-            samples.append((time.perf_counter() - start) * 1e3)
-        times[key] = samples
+            times[key].append((time.perf_counter() - start) * 1e3)
     write_result({"rank": dist.get_rank(), "ms": times})
     dist.barrier()
     dist.destroy_process_group()

@@ -39,7 +39,10 @@ from trainers import CONFIGS, THEORY_PSI, is_distributed  # noqa: E402
 MIB = 2**20
 
 #: xshard configuration -> the peers it is compared with (the best of them is "the peer")
-PEERS = {"xshard-3": ["fsdp2", "ds-zero3"], "xshard-2": ["ds-zero2"], "xshard-0": ["ddp"]}
+PEERS = {"xshard-3": ["fsdp2", "ds-zero3"], "xshard-2": ["ds-zero2"], "xshard-0": ["ddp"],
+         "xshard-hsdp-3": ["fsdp2-hsdp"]}
+#: the configurations run by default (the hybrid ones need --world-size 4 to mean anything: add them by name)
+DEFAULT_CONFIGS = [name for name in CONFIGS if "hsdp" not in name]
 
 METHOD = (
     "step_s: median over timed steps of the slowest rank's step (zero_grad+fwd+bwd+optimizer step). "
@@ -72,7 +75,14 @@ def worker(args: argparse.Namespace) -> None:
     rss_before = memory_probe.rss_bytes()
     model = make_model(args.d, args.blocks)
     numel = sum(p.numel() for p in model.parameters())
-    trainer = build(args.worker, model, batch, args.world_size, parse_options(args.xshard_opt))
+    if args.gloo_reduce_scatter != "backend":  # the CPU backend's reduce-scatter form, for comparing them
+        from xshard.backends.cpu import CPUBackend
+
+        choice = {"all_reduce": "reduce_scatter_via_all_reduce", "reduce": "reduce_scatter_via_reduce"}
+        options = {**CPUBackend().collective_options(), "reduce_scatter_via_all_reduce": False,
+                   "reduce_scatter_via_reduce": False, choice[args.gloo_reduce_scatter]: True}
+        CPUBackend.collective_options = lambda self: options
+    trainer = build(args.worker, model, batch, args.world_size, parse_options(args.xshard_opt), args.nodes)
 
     def barrier() -> None:
         if world > 1:
@@ -177,7 +187,7 @@ def unavailable_reason(name: str) -> str | None:
     """Why a configuration cannot run here, or None."""
     if name.startswith("ds-") and importlib.util.find_spec("deepspeed") is None:
         return "DeepSpeed is not installed: pip install deepspeed"
-    if name == "fsdp2":
+    if name.startswith("fsdp2"):
         try:
             from torch.distributed.fsdp import fully_shard  # noqa: F401
         except ImportError:
@@ -271,8 +281,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", help="model widths d (default 1024 512; --small: 256 128)")
     parser.add_argument("--small", action="store_true", help="a quick run: d=256 and 128, 1 warm-up, 3 steps")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), metavar="NAME",
-                        help=f"which configurations, in order (default all: {' '.join(CONFIGS)})")
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="NAME",
+                        help=f"which configurations, in order (default: {' '.join(DEFAULT_CONFIGS)}; also "
+                             f"{' '.join(c for c in CONFIGS if c not in DEFAULT_CONFIGS)})")
+    parser.add_argument("--nodes", type=int, default=2,
+                        help="simulated nodes of the hybrid configurations (*-hsdp*): sharded within each "
+                             "of --nodes groups of consecutive ranks, replicated across them (default 2)")
+    parser.add_argument("--gloo-reduce-scatter", choices=("backend", "all_reduce", "reduce"), default="backend",
+                        help="the reduce-scatter form xshard uses on gloo: the CPU backend's choice (default), "
+                             "an all-reduce plus a slice, or one reduce per rank")
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences), split over the ranks")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
@@ -295,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown --configs {unknown}; valid: {', '.join(CONFIGS)}")
     if args.world_size < 2 or args.batch % args.world_size:
         parser.error("--world-size must be >= 2 and divide --batch")
+    if any("hsdp" in c for c in args.configs) and (args.nodes < 2 or args.world_size % args.nodes):
+        parser.error(f"the hybrid configurations need --nodes >= 2 dividing --world-size {args.world_size} "
+                     "(e.g. --world-size 4 --nodes 2)")
     try:
         from xshard.sharding import ShardingOptions
 
@@ -310,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# sharding_vs_peers {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
           f"{os.cpu_count()} CPU cores, {args.world_size} ranks on gloo, OMP_NUM_THREADS=1, "
           f"batch {args.batch}x{args.seq}, {args.blocks} blocks, AdamW fp32, {warmup} warm-up + {steps} timed steps"
+          + (f", hybrid configurations on {args.nodes} simulated nodes" if any("hsdp" in c for c in args.configs)
+             else "")
+          + (f", gloo reduce-scatter via {args.gloo_reduce_scatter}" if args.gloo_reduce_scatter != "backend" else "")
           + (f", xshard options {parse_options(args.xshard_opt)}" if args.xshard_opt else ""))
     print(f"# method: {METHOD}")
     for d in sizes:
@@ -322,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             cmd = [os.path.abspath(__file__), "--worker", name, "--d", str(d), "--blocks", str(args.blocks),
                    "--batch", str(args.batch), "--seq", str(args.seq), "--world-size", str(args.world_size),
-                   "--warmup", str(warmup), "--steps", str(steps)] + (["--profile"] if args.profile else [])
+                   "--warmup", str(warmup), "--steps", str(steps), "--nodes", str(args.nodes),
+                   "--gloo-reduce-scatter", args.gloo_reduce_scatter] + (["--profile"] if args.profile else [])
             cmd += [f"--xshard-opt={o}" for o in args.xshard_opt]
             try:
                 per_rank = run_ranks(cmd, args.world_size if is_distributed(name) else 1,

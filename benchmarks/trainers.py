@@ -29,6 +29,9 @@ CONFIGS: dict[str, str] = {
     "xshard-0": "xshard stage 0 (NO_SHARD)",
     "xshard-2": "xshard stage 2 (SHARD_GRAD_OP)",
     "xshard-3": "xshard stage 3 (FULL_SHARD)",
+    "fsdp2-hsdp": "torch fully_shard on a 2-D mesh (nodes x ranks per node): HSDP, sharded within a node",
+    "xshard-hsdp-2": "xshard stage 2 sharded within each node, replicated across nodes (_HYBRID_SHARD_ZERO2)",
+    "xshard-hsdp-3": "xshard stage 3 sharded within each node, replicated across nodes (HYBRID_SHARD)",
 }
 
 #: bytes per step in units of the fp32 parameter bytes (psi), in the ZeRO paper's convention
@@ -55,19 +58,27 @@ def is_distributed(name: str) -> bool:
 
 
 def build(name: str, model: torch.nn.Module, batch: torch.Tensor, world_size: int,
-          xshard_options: dict[str, Any] | None = None) -> Trainer:
-    """The trainer for configuration ``name`` (a key of CONFIGS); ``xshard_options`` go to ShardingOptions."""
+          xshard_options: dict[str, Any] | None = None, nodes: int = 2) -> Trainer:
+    """The trainer for configuration ``name`` (a key of CONFIGS); ``xshard_options`` go to ShardingOptions.
+
+    ``nodes``: the simulated nodes of the hybrid configurations (``*-hsdp*``): ranks are split into
+    ``nodes`` groups of ``world_size / nodes`` consecutive ranks, sharded within a group and
+    replicated across groups (all on this machine: the "network" between nodes is loopback too).
+    """
     if name not in CONFIGS:
         raise ValueError(f"unknown configuration {name!r}; valid: {', '.join(CONFIGS)}")
     if name.startswith("limit"):
         return _limit(model, batch, world_size if name == "limit" else 1)
     if name == "ddp":
         return _ddp(model, batch)
-    if name == "fsdp2":
-        return _fsdp2(model, batch)
+    if name in ("fsdp2", "fsdp2-hsdp"):
+        return _fsdp2(model, batch, nodes if name == "fsdp2-hsdp" else 1, world_size)
     if name.startswith("ds-zero"):
         return _deepspeed(model, batch, int(name[-1]), world_size)
-    return _xshard(model, batch, int(name[-1]), xshard_options or {})
+    options = dict(xshard_options or {})
+    if "-hsdp-" in name:
+        options.setdefault("shard_group_size", world_size // nodes)
+    return _xshard(model, batch, int(name[-1]), options)
 
 
 def _plain(module: torch.nn.Module, batch: torch.Tensor, optimizer: torch.optim.Optimizer) -> Trainer:
@@ -101,14 +112,19 @@ def _ddp(model: torch.nn.Module, batch: torch.Tensor) -> Trainer:
     return trainer
 
 
-def _fsdp2(model: torch.nn.Module, batch: torch.Tensor) -> Trainer:
+def _fsdp2(model: torch.nn.Module, batch: torch.Tensor, nodes: int = 1, world_size: int = 1) -> Trainer:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
+    mesh = None
+    if nodes > 1:  # HSDP: (replicate, shard) mesh, sharded within each node's consecutive ranks
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (nodes, world_size // nodes), mesh_dim_names=("replicate", "shard"))
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return _plain(model, batch, torch.optim.AdamW(model.parameters()))
 
 

@@ -16,7 +16,7 @@ from models import batch, make_qwen2, make_tiny, param_groups
 CASE: dict[str, Any] = dict(
     stage=3, policy="transformer", model="tiny", tie=True, frozen=False, frozen_prefix=False, reuse=False, steps=3, micro=1, clip=None,
     opt_before=False, groups=True, global_batch=8, options={}, optimizer="adamw", clip_type=2.0,
-    hf_checkpointing=False, checkpoint_calls=False, gated=False,
+    hf_checkpointing=False, checkpoint_calls=False, gated=False, sharded_init=False,
 )
 
 
@@ -99,12 +99,18 @@ def init_backend():
 
 def run_sharded(backend, rank: int, world_size: int, c: dict[str, Any]) -> dict[str, Any]:
     """One case on this rank: returns per-micro-step local losses, clip norms, stats and the full state."""
-    from xshard.sharding import ShardingOptions, shard_model
+    from xshard.sharding import ShardingOptions, shard_model, sharded_init
 
-    model = build(c)
+    with sharded_init() if c["sharded_init"] else contextlib.nullcontext():  # parameters on meta until sharded
+        model = build(c)
     opt = make_optimizer(model, c) if c["opt_before"] else None
     options = ShardingOptions(stage=c["stage"], auto_wrap_policy=c["policy"], **c["options"])
     sm = shard_model(model, backend, options)
+    if opt is not None and c["sharded_init"]:  # built on the meta parameters: rebind, as Accelerator.prepare does
+        from xshard.rebind import rebind_optimizer
+
+        rebind_optimizer(opt, sm.rebound_parameters.new)
+    initial = sm.full_state_dict() if c["sharded_init"] else None
     if opt is None:
         opt = make_optimizer(sm, c)
     sm.register_optimizer(opt)
@@ -127,7 +133,8 @@ def run_sharded(backend, rank: int, world_size: int, c: dict[str, Any]) -> dict[
         opt.zero_grad()
     stats = sm.stats()
     state = sm.full_state_dict()
-    return {"losses": losses, "norms": norms, "comm": comm, "stats": stats, "state": state,
+    return {"losses": losses, "norms": norms, "comm": comm, "stats": stats, "state": state, "initial": initial,
+            "pieces": {k: v.clone() for k, v in sm.sharded_state_dict().items()},
             "units": [(u.name, [sp.spec.fqn for sp in u.params]) for u in sm.units]}
 
 

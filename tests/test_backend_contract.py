@@ -28,7 +28,8 @@ CONTRACT = {
                "grad_scaler", "checkpoint_wrapper", "wrap_dataloader", "mark_step", "optimizer_step",
                "optimizer_step_patch", "frees_storage_by_resize", "compiles_graphs"],
     "communication": ["init_process_group", "destroy_process_group", "collectives", "local_collectives",
-                      "process_group_options", "collective_options", "check_world", "world_size_hint"],
+                      "process_group_options", "collective_options", "group_collectives", "check_world",
+                      "world_size_hint"],
     "launching": ["launcher"],
 }
 

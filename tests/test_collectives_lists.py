@@ -1,8 +1,8 @@
 """List-form collectives (one sharded unit's tensors as one operation) on real gloo ranks.
 
-Both implementations are checked: the gloo options of the CPU backend (per tensor, in place:
-broadcast into the outputs, all-reduce of the inputs) and the default one (pack into one buffer,
-one collective, unpack) that NCCL, HCCL and XLA use. Sizes are uneven and dtypes mixed; bytes and
+Every implementation is checked: the gloo options of the CPU backend (per tensor, in place:
+broadcast into the outputs; one reduce per rank, or an all-reduce, of the inputs) and the default one
+(pack into one buffer, one collective, unpack) that NCCL, HCCL and XLA use. Sizes are uneven and dtypes mixed; bytes and
 calls follow the ZeRO-paper convention with one call per list.
 """
 
@@ -33,7 +33,10 @@ def _exercise(rank: int, world_size: int) -> dict:
     backend = get_backend("cpu")
     backend.init_process_group(timeout=60)
     out: dict = {}
-    for name, coll in (("gloo_options", backend.collectives), ("packed", DistCollectives())):
+    forms = {"gloo_options": backend.collectives, "packed": DistCollectives(),
+             "via_all_reduce": DistCollectives(reduce_scatter_via_all_reduce=True),
+             "via_reduce": DistCollectives(reduce_scatter_via_reduce=True)}
+    for name, coll in forms.items():
         coll.counter.reset()
         # gather: tensor 0 in place (its input is its own output slice), the others from separate inputs
         outputs = [torch.full((n * world_size,), -1.0, dtype=d) for n, d in zip(SIZES, DTYPES, strict=True)]
@@ -60,7 +63,7 @@ def test_list_collectives_values_and_bytes(world_size: int) -> None:
     results = run_workers(_exercise, world_size)
     total = sum(r + 1 for r in range(world_size))
     for rank, res in enumerate(results):
-        for name in ("gloo_options", "packed"):
+        for name in ("gloo_options", "packed", "via_all_reduce", "via_reduce"):
             for i, got in enumerate(res[(name, "gathered")]):
                 expected = torch.cat([_shard(i, r) for r in range(world_size)])
                 assert got.dtype == DTYPES[i] and torch.equal(got, expected), (name, i)

@@ -170,9 +170,59 @@ def test_accelerate_strategy_names_and_unprefixed_keys():
     assert (config.stage, config.backward_prefetch) == (2, "post")
 
 
-def test_accelerate_hybrid_sharding_is_refused():
-    with pytest.raises(XShardConfigError, match="hybrid"):
-        load({"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": 4}})
+@pytest.mark.parametrize("strategy, stage", [(4, 3), (5, 2), ("HYBRID_SHARD", 3), ("_HYBRID_SHARD_ZERO2", 2),
+                                             ("hybrid_shard_zero2", 2)])
+def test_accelerate_hybrid_sharding_shards_within_each_node(strategy, stage):
+    config = load({"distributed_type": "FSDP", "fsdp_config": {"fsdp_sharding_strategy": strategy}})
+    assert (config.stage, config.shard_group_size) == (stage, "node")
+    options = config.to_sharding_options()
+    assert (options.stage, options.shard_group_size) == (stage, "node")
+
+
+def test_hybrid_strategy_keeps_a_group_size_given_beside_it():
+    config = load({"stage": "HYBRID_SHARD", "shard_group_size": 4})
+    assert (config.stage, config.shard_group_size) == (3, 4)
+    assert XShardConfig.load({}, env={"XSHARD_STAGE": "_HYBRID_SHARD_ZERO2"}).shard_group_size == "node"
+    env = {"XSHARD_STAGE": "HYBRID_SHARD", "XSHARD_SHARD_GROUP_SIZE": "8"}
+    assert (XShardConfig.load({}, env=env).stage, XShardConfig.load({}, env=env).shard_group_size) == (3, 8)
+
+
+def test_fsdp2_reshard_after_forward_int_and_bool():
+    config = load({"distributed_type": "FSDP", "fsdp_config": {"fsdp_reshard_after_forward": 8}})
+    assert (config.stage, config.reshard_after_forward) == (3, 8)
+    assert load({"distributed_type": "FSDP", "fsdp_config": {"fsdp_reshard_after_forward": "false"}}).stage == 2
+    assert load({"distributed_type": "FSDP", "fsdp_config": {"fsdp_reshard_after_forward": True}}).stage == 3
+    options = load({"stage": 3, "reshard_after_forward": 2}).to_sharding_options()
+    assert options.reshard_after_forward == 2
+
+
+def test_hf_trainer_hybrid_words():
+    config = XShardConfig.from_hf_fsdp("hybrid_shard auto_wrap", {"transformer_layer_cls_to_wrap": ["Block"]})
+    assert (config.stage, config.shard_group_size, config.auto_wrap_policy) == (3, "node", "transformer")
+    assert (XShardConfig.from_hf_fsdp("hybrid_shard_zero2").stage,
+            XShardConfig.from_hf_fsdp("hybrid_shard_zero2").shard_group_size) == (2, "node")
+
+
+def test_deepspeed_mics_and_hpz_at_stage_3():
+    config = load({"zero_optimization": {"stage": 3, "mics_shard_size": 8, "zero_hpz_partition_size": 4,
+                                         "mics_hierarchical_params_gather": False}})
+    assert (config.stage, config.shard_group_size, config.reshard_after_forward) == (3, 8, 4)
+    off = {"zero_optimization": {"stage": 3, "mics_shard_size": -1, "zero_hpz_partition_size": 1}}
+    assert (load(off).shard_group_size, load(off).reshard_after_forward) == (None, None)
+    assert ignored_keys(off) == []
+    # MiCS is a ZeRO-3 feature in DeepSpeed: at stage 2 it has no effect there, nor here (and says so)
+    stage2 = {"zero_optimization": {"stage": 2, "mics_shard_size": 8}}
+    assert load(stage2).shard_group_size is None
+    assert ignored_keys(stage2) == ["zero_optimization.mics_shard_size"]
+
+
+def test_group_size_errors_name_the_key_and_the_choices():
+    with pytest.raises(XShardConfigError, match=r"shard_group_size: 0 is not valid; expected null \(every rank\)"):
+        load({"stage": 3, "shard_group_size": 0})
+    with pytest.raises(XShardConfigError, match=r"reshard_after_forward: 'often' is not valid"):
+        load({"stage": 3, "reshard_after_forward": "often"})
+    with pytest.raises(XShardConfigError, match="need sharded parameters"):
+        load({"stage": 0, "shard_group_size": "node"})
 
 
 def test_accelerate_contradictory_strategy_keys():

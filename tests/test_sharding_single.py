@@ -31,6 +31,34 @@ def test_stage_names_and_bad_stage() -> None:
         ShardingOptions(param_dtype="bf16")
 
 
+def test_hybrid_and_reshard_options_are_checked_against_the_world() -> None:
+    from xshard.sharding import ReshardAfterForward, ShardingPlan
+
+    plan = ShardingPlan.from_options(ShardingOptions(stage="HYBRID_SHARD"), world_size=16, local_world_size=8)
+    assert (plan.stage, plan.shard_group_size, plan.replicas) == (3, 8, 2)
+    plan = ShardingPlan.from_options(ShardingOptions(stage=3, reshard_after_forward=4), world_size=16)
+    assert plan.reshard_after_forward == ReshardAfterForward(True, post_forward_group_size=4)
+    # FSDP2's edge values: a group of one keeps the whole parameter, the whole shard group is True
+    assert ShardingPlan.from_options(ShardingOptions(stage=3, reshard_after_forward=1), 8).reshard_after_forward \
+        == ReshardAfterForward(False)
+    assert ShardingPlan.from_options(ShardingOptions(stage=3, reshard_after_forward=8), 8).reshard_after_forward \
+        == ReshardAfterForward(True)
+    assert not ShardingPlan.from_options(ShardingOptions(stage=3, reshard_after_forward=False), 8) \
+        .reshard_after_forward.frees
+    with pytest.raises(ValueError, match="shard_group_size=3 must divide the world size 8"):
+        ShardingPlan.from_options(ShardingOptions(stage=3, shard_group_size=3), world_size=8)
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=3 does not divide WORLD_SIZE=8"):
+        ShardingPlan.from_options(ShardingOptions(stage=2, shard_group_size="node"), 8, local_world_size=3)
+    with pytest.raises(ValueError, match="reshard_after_forward=3 must divide the shard group size 4"):
+        ShardingPlan.from_options(ShardingOptions(stage=3, shard_group_size=4, reshard_after_forward=3), 8)
+    with pytest.raises(ValueError, match="stage 0 shards nothing"):
+        ShardingPlan.from_options(ShardingOptions(stage=0, shard_group_size=2), world_size=4)
+    with pytest.raises(ValueError, match="shard_group_size='half' is not valid"):
+        ShardingOptions(shard_group_size="half")
+    with pytest.raises(ValueError, match="reshard_after_forward=0 is not valid"):
+        ShardingOptions(reshard_after_forward=0)
+
+
 def test_unknown_layer_class_lists_the_models_classes(backend) -> None:
     with pytest.raises(ValueError) as err:
         shard_model(make_tiny(), backend, ShardingOptions(transformer_layer_cls_to_wrap=["DecoderLayer"]))

@@ -1,7 +1,8 @@
 """The sharded core on real torch_xla matches the CPU backend and torch_xla's own FSDP.
 
 - 2 XLA:CPU replicas (torch_xla's launcher, see ``xla_replicas``) at stages 0 and 3 train like one
-  CPU process on the full batch: losses and full parameters after K steps.
+  CPU process on the full batch: losses and full parameters after K steps; so do 4 replicas with
+  hybrid sharding (2 shard groups of 2, torch_xla's replica groups).
 - One XLA device: the core at stage 3 matches XlaFullyShardedDataParallel with its transformer
   auto-wrap policy, with and without ``checkpoint_module`` (xla_fsdp_grad_ckpt).
 """
@@ -56,6 +57,22 @@ def test_two_xla_replicas_train_like_one_cpu_process(stage: int, checkpointing: 
         assert res["xm_all_reduce_calls"] == 0  # the core's gradients never go through xm's all-reduce
         # xm.optimizer_step is patched while a sharded (stage >= 1) model lives, and back after close()
         assert (res["patched"], res["restored"]) == (stage >= 1, True)
+
+
+def test_hybrid_sharding_on_four_xla_replicas_trains_like_one_cpu_process() -> None:
+    """2 shard groups of 2 replicas (torch_xla replica groups): gathers and reduce-scatters within
+    [0 1] and [2 3], the reduced shards averaged across [0 2] and [1 3]."""
+    reference = train_on_cpu_backend(3, STEPS)
+    results = run_replicas(train_core_on_xla, 4, 3, STEPS, False, False, {"shard_group_size": 2}, timeout=420)
+    mean_losses = torch.tensor([r["losses"] for r in results]).mean(0)
+    torch.testing.assert_close(mean_losses, torch.tensor(reference["losses"]), atol=ATOL, rtol=0)
+    assert_same_state(assemble_shards(results[:2], reference["state"]), reference["state"])
+    for twin, res in zip(results[:2], results[2:], strict=True):  # the second replica holds the same rows
+        assert all(torch.equal(res["shards"][k], v) for k, v in twin["shards"].items())
+    for res in results:
+        # (broadcast_inter: the replicas take the first replica's shards once, when the model is sharded)
+        assert set(res["comm"]["bytes"]) == {"all_gather", "reduce_scatter", "all_reduce_inter", "broadcast_inter"}
+        assert res["compiles"][1] == res["compiles"][-1], res["compiles"]
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpoint_module"])

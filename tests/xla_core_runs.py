@@ -71,8 +71,9 @@ def train_on_cpu_backend(stage: int, steps: int, checkpointing: bool = False) ->
 
 
 def train_core_on_xla(rank: int, world_size: int, stage: int, steps: int, checkpointing: bool = False,
-                      step_with_xm: bool = False) -> dict[str, Any]:
-    """The core on this XLA replica. ``step_with_xm``: step with ``xm.optimizer_step`` as TPU scripts do.
+                      step_with_xm: bool = False, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The core on this XLA replica. ``step_with_xm``: step with ``xm.optimizer_step`` as TPU scripts do;
+    ``options``: more ShardingOptions (e.g. ``shard_group_size`` for hybrid sharding).
 
     Also reports the compile count after each step (after a barrier, so every replica's
     compilations are in), xm.all_reduce calls, the core's collective bytes, and whether
@@ -91,7 +92,8 @@ def train_core_on_xla(rank: int, world_size: int, stage: int, steps: int, checkp
     model = build_tiny(device, checkpoint_probe=True)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=LR)  # built before sharding: the Parameters stay the user's
-    model = shard_model(model, backend, ShardingOptions(stage=stage, activation_checkpointing=checkpointing))
+    model = shard_model(model, backend, ShardingOptions(stage=stage, activation_checkpointing=checkpointing,
+                                                        **(options or {})))
     patched = xm.optimizer_step is not original_step
     losses, compiles, up_calls = [], [], []
     for step in range(steps):

@@ -259,6 +259,20 @@ class Accelerator:
 
         return ShardedGradScaler.for_backend(self.backend)
 
+    def sharded_init(self) -> contextlib.AbstractContextManager[Any]:
+        """Build a model in code without holding it whole: ``with accelerator.sharded_init(): model =
+        MyModel()``, then ``accelerator.prepare(model, ...)`` gives each rank its rows of the values a
+        normal init gives (as DeepSpeed's ``zero.Init``; see ``xshard.sharding.sharded_init``).
+
+        Inside the block the parameters are on the meta device; an optimizer may be built on them
+        before ``prepare`` (it is rebound to the sharded parameters). A multi-process job takes rank
+        0's values, rebuilt and broadcast one parameter at a time (``sync_module_states``, see
+        ``sharding_options``), so no rank ever holds the whole model.
+        """
+        from .sharding import sharded_init
+
+        return sharded_init()
+
     def sharding_options(self, model: torch.nn.Module | None = None) -> Any:
         """The core's ShardingOptions from this config, adjusted to this job (and to ``model``).
 
@@ -268,13 +282,16 @@ class Accelerator:
           at construction: seeds alone do not make ranks agree where replicas share one process
           (XLA:CPU's replica threads draw from one generator) or a script seeds per rank. A model
           whose parameters are still on the meta device (loaded shard by shard) is filled from its
-          checkpoint on every rank instead.
+          checkpoint on every rank instead; one built under ``sharded_init`` has its values recorded,
+          so rank 0 rebuilds and broadcasts them one parameter at a time.
         """
+        from .sharding.sharded_init import recording_of
+
         opts = self.config.to_sharding_options()
         if opts.param_dtype is not None:
             opts.output_dtype = torch.float32
-        materialized = model is None or not any(p.is_meta for p in model.parameters())
-        if self.world_size > 1 and materialized:
+        to_load = model is not None and recording_of(model) is None and any(p.is_meta for p in model.parameters())
+        if self.world_size > 1 and not to_load:
             opts.sync_module_states = True
         return opts
 

@@ -271,7 +271,7 @@ def model_state_bytes(psi: float, nproc: int, stage: int, precision: Precision) 
     """(parameters, gradients, optimizer states) bytes per device: the ZeRO paper's formulas."""
     p, g, k = psi * precision.param_bytes, psi * precision.grad_bytes, psi * precision.optimizer_bytes
     plan = _plan(stage)
-    return (p / nproc if plan.reshard_after_forward else p, g / nproc if _grads_sharded(plan) else g,
+    return (p / nproc if plan.reshard_after_forward.frees else p, g / nproc if _grads_sharded(plan) else g,
             k / nproc if plan.shard_parameters else k)
 
 
@@ -314,12 +314,12 @@ def estimate_memory(size: ModelSize, nproc: int, stage: int, dtype: str = "bf16"
         host, optimizer = host + optimizer, 0.0
         if _grads_sharded(plan):
             host, grads = host + grads, 0.0
-        if plan.reshard_after_forward:
+        if plan.reshard_after_forward.frees:
             host, params = host + params, 0.0
     gathered = 0.0
     if _grads_sharded(plan):  # unsharded gradients of the root unit and of the layer being reduced
         gathered += precision.grad_bytes * (size.root_params + size.largest_layer_params)
-    if plan.reshard_after_forward:  # gathered parameters: the root unit and the in-flight layers
+    if plan.reshard_after_forward.frees:  # gathered parameters: the root unit and the in-flight layers
         gathered += precision.param_bytes * (size.root_params + MAX_INFLIGHT_ALL_GATHERS * size.largest_layer_params)
     activations = activation_bytes(size, micro_batch, seq_len, precision, grad_ckpt, attention)
     total = params + grads + optimizer + gathered + activations

@@ -293,8 +293,9 @@ def from_pretrained_sharded(
         reader = BroadcastRows(files, collectives, backend.device())
     try:
         _load_buffers(model, reader, files)
+        plan = ShardingPlan.from_options(options, collectives.world_size, backend.world.local_world_size)
         with slow_progress(f"loading {folder.name}") as bar:
-            if not ShardingPlan.from_options(options).shard_parameters:  # replicated: whole tensors
+            if not plan.shard_parameters:  # replicated: whole tensors
                 fill_parameters(model, _Counted(reader, bar))
                 sharded = shard_model(model, backend, options)
             else:

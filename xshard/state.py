@@ -54,6 +54,8 @@ class FSDPPluginView:
     """
 
     _STRATEGY = {3: "FULL_SHARD", 2: "SHARD_GRAD_OP", 1: "SHARD_GRAD_OP", 0: "NO_SHARD"}
+    # shard_group_size set: hybrid sharding (which the config refuses at stage 0)
+    _HYBRID_STRATEGY = {3: "HYBRID_SHARD", 2: "_HYBRID_SHARD_ZERO2", 1: "_HYBRID_SHARD_ZERO2", 0: "NO_SHARD"}
     _PREFETCH = {"pre": "BACKWARD_PRE", "post": "BACKWARD_POST", "none": None}
     _STATE_DICT = {"full": "FULL_STATE_DICT", "local": "LOCAL_STATE_DICT", "sharded": "SHARDED_STATE_DICT"}
     _WRAP = {"transformer": "transformer_based_wrap", "size": "size_based_wrap", "none": "no_wrap"}
@@ -70,13 +72,16 @@ class FSDPPluginView:
     def sharding_strategy(self) -> Any:
         from torch.distributed.fsdp import ShardingStrategy
 
-        return ShardingStrategy[self._STRATEGY[int(self._config.stage)]]
+        names = self._STRATEGY if self._config.shard_group_size is None else self._HYBRID_STRATEGY
+        return ShardingStrategy[names[int(self._config.stage)]]
 
     @property
-    def reshard_after_forward(self) -> bool:
+    def reshard_after_forward(self) -> bool | int:
+        """FSDP2's value: the config's (True / False / a group size), else the stage's default."""
         from .sharding.plan import ShardingPlan
 
-        return ShardingPlan.for_stage(self._config.stage).reshard_after_forward
+        value = self._config.reshard_after_forward
+        return ShardingPlan.for_stage(self._config.stage).reshard_after_forward.frees if value is None else value
 
     @property
     def backward_prefetch(self) -> Any:

@@ -179,8 +179,10 @@ class AutocastKwargs:
 class FullyShardedDataParallelPlugin:
     """FSDP settings in Accelerate's names, mapped onto xshard's config when given to the Accelerator.
 
-    ``sharding_strategy`` FULL_SHARD / SHARD_GRAD_OP / NO_SHARD (or 1 / 2 / 3) -> stage 3 / 2 / 0;
-    ``reshard_after_forward`` (FSDP2) True / False -> stage 3 / 2; ``cpu_offload`` -> offload;
+    ``sharding_strategy`` FULL_SHARD / SHARD_GRAD_OP / NO_SHARD (or 1 / 2 / 3) -> stage 3 / 2 / 0,
+    HYBRID_SHARD / _HYBRID_SHARD_ZERO2 (or 4 / 5) -> stage 3 / 2 sharded within each node;
+    ``reshard_after_forward`` (FSDP2) True / False -> stage 3 / 2, an int k -> stage 3 with backward
+    gathering within groups of k ranks; ``cpu_offload`` -> offload;
     ``auto_wrap_policy`` "transformer_based_wrap" / "size_based_wrap" / "no_wrap" (a policy
     function is not used: units follow ``transformer_cls_names_to_wrap`` or the model's
     ``_no_split_modules``); ``backward_prefetch``, ``forward_prefetch``, ``state_dict_type``,

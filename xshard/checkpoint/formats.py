@@ -13,13 +13,17 @@ rank needs (safetensors slices: nothing else is read into memory), whatever worl
   (``optimizer.rank{R}.pt``): same world size and stage only. It keeps any optimizer's state
   exactly as it is, which the row format cannot do for state that is not shaped like its parameter
   (see below), so it stays available for such optimizers.
+- Hybrid sharding: every shard exists once per replica (shard group); only the first replica's ranks
+  write their rows (``LocalPiece.writes``), so each row is stored once and the files read like any
+  others (a checkpoint saved in shard groups resumes without them, and the other way round).
 
 Optimizer state by rows (``optimizer.rank{R}.safetensors`` + ``optimizer.groups.pt``): state
 tensors shaped like their parameter's shard (Adam's ``exp_avg``, ``exp_avg_sq``) are row pieces of a
-full-shape tensor; replicated state (``step``, and all state of a replicated parameter) is written
-whole by rank 0; state of a sharded parameter that is *not* shaped like its shard (Adafactor's
-factored row and column statistics) is written by every rank under ``<key>/<state>@rank<R>``
-and loads only on the same world size and shard, with an error naming the key elsewhere.
+full-shape tensor, written once as the model's rows are; replicated state (``step``, and all state
+of a replicated parameter) is written whole by rank 0; state of a sharded parameter that is *not*
+shaped like its shard (Adafactor's factored row and column statistics) is written by every rank
+(every replica too, since each rank reads back its own) under ``<key>/<state>@rank<R>`` and loads
+only on the same world size and shard, with an error naming the key elsewhere.
 
 Design note, why "full" stores the optimizer by rows: a default checkpoint must survive a change of
 cluster (saved on 8 NPUs, resumed on 4) without the user knowing in advance; gathering the whole
@@ -111,7 +115,7 @@ def write_model_rows(writer: FileWriter, i: int, model: Any) -> dict[str, Any]:
         if owner != key:  # tied: stored once, loaded under each name
             table[key] = {"same_as": owner}
             continue
-        mine = (piece.sharded or writer.rank == 0) and piece.stop > piece.start
+        mine = piece.writes and piece.stop > piece.start
         table[key] = _entry(piece.shape, piece.tensor.dtype,
                             [[name, piece.start, piece.stop]] if mine else [])
         if mine:
@@ -158,7 +162,7 @@ def write_optimizer_rows(writer: FileWriter, i: int, optimizer: torch.optim.Opti
                 fields: dict[str, Any] = {}
                 like_param = value.dim() >= 1 and tuple(value.shape) == tuple(p.shape)
                 if like_param:
-                    shape, start, stop, mine = piece.shape, piece.start, piece.stop, piece.sharded or writer.rank == 0
+                    shape, start, stop, mine = piece.shape, piece.start, piece.stop, piece.writes
                 elif piece.sharded and value.dim() >= 1:  # this rank's own statistics of its shard
                     entry_key += f"{PER_RANK}{writer.rank}"
                     shape, start, stop, mine = tuple(value.shape), 0, rows_of(tuple(value.shape)), True
@@ -402,8 +406,9 @@ def check_same_job(manifest: dict[str, Any], now: dict[str, Any], folder: Path, 
             raise CheckpointMismatchError(
                 f"{folder / MANIFEST}: key {key!r} is {manifest.get(key)!r} in the checkpoint but {now[key]!r} in this "
                 f"job; a {manifest.get('state_dict_type')!r} checkpoint of format {manifest.get('format_version')} "
-                "keeps each rank's optimizer state as it was and resumes only with the same world size, stage and "
-                "prepared objects (save with the default state_dict_type='full' or 'sharded' to change them)")
+                "keeps each rank's optimizer state as it was and resumes only with the same world size, shard "
+                "groups, stage and prepared objects (save with the default state_dict_type='full' or 'sharded' to "
+                "change them)")
 
 
 def load_rank_optimizers(folder: Path, manifest: dict[str, Any], rank: int,

@@ -3,7 +3,8 @@
 A checkpoint folder holds:
 
     xshard_state.json            the manifest, written last: format version, xshard version, world size,
-                                 stage, backend, state_dict_type, step, the xshard config, row tables of
+                                 shard group size (hybrid sharding), stage, backend, state_dict_type,
+                                 step, the xshard config, row tables of
                                  every tensor, and the size and sha256 of every other file
     model*.safetensors           model weights (formats.py: one plain state dict for "full", rows
                                  per rank for "sharded" and "local")
@@ -72,9 +73,17 @@ log = get_logger("xshard.checkpoint")
 _COUNTS = ("models", "optimizers", "schedulers", "data_loaders", "fp16_scaler")
 
 
+def _hybrid_group(job: JobState) -> int | None:
+    """The shard group size under hybrid sharding (None: sharded over the whole world, or not at all)."""
+    sizes = {m.plan.shard_group_size for m in job.models if m.plan.shard_parameters}
+    size = min(sizes) if sizes else job.world_size
+    return None if size == job.world_size else size
+
+
 def _job(job: JobState) -> dict[str, Any]:
     return {
         "world_size": job.world_size,
+        "shard_group_size": _hybrid_group(job),
         "stage": job.stage(),
         "backend": job.backend.name,
         "models": len(job.models),
@@ -230,8 +239,8 @@ def _read_everything(job: JobState, root: Path, on_bytes: Any = None) -> dict[st
     optimizer_by_rows = formats.GROUPS_FILE in manifest.get("files", {})
     if optimizer_by_rows:
         formats.check_same_job(manifest, _job(job), root, _COUNTS)
-    else:  # "local" (or "full" of format 2): each rank's optimizer state as it was
-        formats.check_same_job(manifest, _job(job), root, ("world_size", "stage", *_COUNTS))
+    else:  # "local" (or "full" of format 2): each rank's optimizer state as it was, in its shard groups
+        formats.check_same_job(manifest, _job(job), root, ("world_size", "shard_group_size", "stage", *_COUNTS))
     reader = formats.RowReader(root, manifest, on_bytes)
     tables = manifest.get("tables", {})
     plan: dict[str, Any] = {"step": manifest.get("step", 0), "micro_step": manifest.get("micro_step", 0),

@@ -2,7 +2,10 @@
 
 What maps (everything else is reported once as having no effect):
 
-- ``zero_optimization.stage`` -> stage; ``offload_optimizer.device`` / ``offload_param.device``
+- ``zero_optimization.stage`` -> stage; at stage 3, ``mics_shard_size`` (MiCS: shard within groups of
+  that many ranks, replicate across them; -1 = off) -> shard_group_size, and ``zero_hpz_partition_size``
+  (ZeRO++ hpZ: a secondary copy of the parameters sharded within a node for backward's all-gathers;
+  1 = off) -> reshard_after_forward; ``offload_optimizer.device`` / ``offload_param.device``
   ("cpu" or "none") -> offload_optimizer / offload_params (legacy ``cpu_offload`` too);
   ``stage3_gather_16bit_weights_on_model_save`` -> state_dict_type full (true) or sharded (false);
   ``reduce_bucket_size`` (elements) -> bucket_size_mb at stage 0 (fp32 gradients, or the
@@ -54,6 +57,7 @@ _HARMLESS_ZERO = {
     "allgather_partitions": (True,), "load_from_fp32_weights": (True,), "reduce_bucket_size": ("auto",),
     "allgather_bucket_size": ("auto",), "stage3_prefetch_bucket_size": ("auto",),
     "stage3_param_persistence_threshold": ("auto",), "round_robin_gradients": (False,),
+    "mics_shard_size": (-1,), "zero_hpz_partition_size": (1,), "mics_hierarchical_params_gather": (False,),
 }
 _HARMLESS_OFFLOAD = {"pin_memory": (True, False)}
 _HARMLESS_FP16 = {"loss_scale": (0,), "initial_scale_power": (16,), "auto_cast": (False,)}
@@ -102,6 +106,10 @@ def _zero(reading: Reading, where: str, value: Any) -> None:
             reading.set("offload_optimizer", parse_bool(path, item), path)
         elif key in ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"):
             reading.set("state_dict_type", "full" if parse_bool(path, item) else "sharded", path)
+        elif key == "mics_shard_size" and _zero3(stage) and not harmless(item, (-1,)):
+            reading.set("shard_group_size", parse_int(path, item, 1), path)
+        elif key == "zero_hpz_partition_size" and _zero3(stage) and not harmless(item, (1,)):
+            reading.set("reshard_after_forward", parse_int(path, item, 1), path)
         elif key == "reduce_bucket_size" and _replicates(stage) and not harmless(item, ("auto",)):
             elements = parse_int(path, item, 1)
             dtype = reading.values.get("reduce_dtype") or "fp32"
@@ -146,6 +154,13 @@ def _check_batch(reading: Reading, world: int | None) -> None:
             f"{accum} x world size {world} (= {micro * accum * world}); fix one of them or set it to 'auto'",
             ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"),
         )
+
+
+def _zero3(stage: int) -> bool:
+    """The stage frees the full parameters after forward (ZeRO-3, where DeepSpeed has MiCS and hpZ)."""
+    from xshard.sharding.plan import ShardingPlan
+
+    return ShardingPlan.for_stage(stage).reshard_after_forward.frees
 
 
 def _replicates(stage: int) -> bool:

@@ -3,8 +3,10 @@
 Both spell the same FSDP options, with or without the ``fsdp_`` prefix, FSDP1 or FSDP2 style:
 
 - sharding: ``sharding_strategy`` FULL_SHARD / SHARD_GRAD_OP / NO_SHARD -> stage 3 / 2 / 0 (in
-  accelerate's yaml also 1 / 2 / 3, its 1-based menu numbers); FSDP2's ``reshard_after_forward``
-  true -> 3, false -> 2. Hybrid sharding is refused (xshard has no node-local replica groups).
+  accelerate's yaml also 1 / 2 / 3, its 1-based menu numbers); HYBRID_SHARD (4) / _HYBRID_SHARD_ZERO2
+  (5) -> stage 3 / 2 with ``shard_group_size: node`` (sharded within each node, replicated across
+  nodes); FSDP2's ``reshard_after_forward`` true -> 3, false -> 2, an int k -> 3 with
+  ``reshard_after_forward: k`` (backward all-gathers within groups of k ranks).
 - ``offload_params`` / ``cpu_offload`` -> offload_params and offload_optimizer (FSDP's CPUOffload
   keeps parameters and gradients on the host, so the optimizer steps there too).
 - ``auto_wrap_policy`` TRANSFORMER_BASED_WRAP / SIZE_BASED_WRAP / NO_WRAP -> transformer / size /
@@ -35,7 +37,9 @@ from xshard.config.values import (
     parse_float,
     parse_int,
     parse_names,
+    parse_reshard,
     parse_stage,
+    read_strategy,
 )
 
 WRAP = {"transformer_based_wrap": "transformer", "transformer": "transformer", "size_based_wrap": "size",
@@ -69,17 +73,25 @@ def _menu(key: str, value: Any, where: str, numeric: bool) -> Any:
     except ValueError:
         return value
     if key == "sharding_strategy" and number in (4, 5):
-        return "hybrid_shard"
+        return "hybrid_shard" if number == 4 else "_hybrid_shard_zero2"
     if number not in _MENU[key]:
         menu = ", ".join(f"{n} ({v})" for n, v in _MENU[key].items())
         raise fail(where, value, f"accelerate's menu number {menu}, or a name")
     return _MENU[key][number]
 
 
-def _bool_stage(where: str, value: Any) -> int:
-    if isinstance(value, str) and value.strip().lower() not in ("true", "false"):
-        return parse_stage(where, value)  # FSDP1 style: a strategy name
-    return 3 if parse_bool(where, value) else 2
+def _reshard(reading: Reading, where: str, value: Any) -> None:
+    """FSDP2's reshard_after_forward: true -> stage 3, false -> 2, an int -> 3 resharding to that group
+    size; FSDP1 style, a strategy name."""
+    if isinstance(value, str) and value.strip().lower() not in ("true", "false") and not value.strip().isdigit():
+        read_strategy(reading, where, value)
+        return
+    if isinstance(value, bool) or isinstance(value, str) and not value.strip().isdigit():
+        reading.set("stage", 3 if parse_bool(where, value) else 2, where)
+        return
+    size = parse_reshard(where, value)
+    reading.set("stage", 3, where)
+    reading.set("reshard_after_forward", size, where)
 
 
 def _option(reading: Reading, key: str, value: Any, where: str, numeric: bool) -> bool:
@@ -88,9 +100,9 @@ def _option(reading: Reading, key: str, value: Any, where: str, numeric: bool) -
     if key in _MENU:
         value = _menu(key, value, where, numeric)
     if key == "sharding_strategy":
-        reading.set("stage", parse_stage(where, value), where)
+        read_strategy(reading, where, value)
     elif key == "reshard_after_forward":
-        reading.set("stage", _bool_stage(where, value), where)
+        _reshard(reading, where, value)
     elif key == "offload_params":
         offload = parse_bool(where, value)
         reading.set("offload_params", offload, where)
@@ -154,7 +166,7 @@ def _xla_settings(reading: Reading, settings: Any, where: str) -> None:
             dtype = parse_dtype(path, value)
             reading.set("mixed_precision", "no" if dtype in (None, "fp32") else dtype, path)
         elif key == "reshard_after_forward":
-            reading.set("stage", _bool_stage(path, value), path)
+            _reshard(reading, path, value)
         elif key == "fp32_reduce_scatter":
             if parse_bool(path, value):
                 reading.set("reduce_dtype", "fp32", path)
@@ -252,7 +264,8 @@ def read_accelerate(data: Mapping[str, Any], reading: Reading,
 # ---------------------------------------------------------------- the HF Trainer's --fsdp
 
 _HF_STAGES = {"full_shard": 3, "shard_grad_op": 2, "no_shard": 0}
-_HF_OPTIONS = ("full_shard", "shard_grad_op", "no_shard", "offload", "auto_wrap")
+_HF_OPTIONS = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2", "offload",
+               "auto_wrap")
 
 
 def hf_fsdp_items(fsdp: Any) -> list[str]:
@@ -279,7 +292,7 @@ def read_hf_fsdp(fsdp: Any, fsdp_config: Mapping[str, Any] | None, reading: Read
         elif word == "auto_wrap":
             wrap = True
         elif word in ("hybrid_shard", "hybrid_shard_zero2"):
-            parse_stage("fsdp", word)
+            read_strategy(reading, f"fsdp '{word}'", word)
         else:
             raise fail("fsdp", word, f"words among {', '.join(_HF_OPTIONS)}")
     read_fsdp_options(reading, fsdp_config, "fsdp_config", numeric=False)

@@ -50,10 +50,13 @@ from xshard.config.values import (
     parse_choice,
     parse_dtype,
     parse_float,
+    parse_group_size,
     parse_int,
     parse_names,
+    parse_reshard,
     parse_section,
     parse_stage,
+    parse_strategy,
 )
 
 __all__ = ["XShardConfig", "XShardConfigError", "XShardConfigWarning"]
@@ -76,6 +79,16 @@ class XShardConfig:
 
     stage: int = _opt(3, "ZeRO stage: 0 replicate (DDP), 1 + optimizer state sharded, 2 + gradients sharded "
                          "(SHARD_GRAD_OP), 3 + parameters sharded (FULL_SHARD). FSDP names accepted.")
+    shard_group_size: int | str | None = _opt(
+        None, "hybrid sharding: shard within groups of this many consecutive ranks and replicate across the "
+              "groups (all-gathers and reduce-scatters inside a group, one all-reduce of the reduced shards "
+              "across groups); 'node': the processes of one node (LOCAL_WORLD_SIZE, which xshard launch "
+              "--nproc sets per node); null: every rank in one group. HYBRID_SHARD / _HYBRID_SHARD_ZERO2 as "
+              "the stage mean 3 / 2 with 'node'; DeepSpeed's mics_shard_size sets it")
+    reshard_after_forward: bool | int | None = _opt(
+        None, "FSDP2's: free each unit's full parameters after forward (true, stage 3's default) or keep them "
+              "(false, stages 1-2); an int k keeps 1/k per rank so backward gathers within groups of k ranks "
+              "(a node; DeepSpeed's zero_hpz_partition_size); null: the stage's default")
     auto_wrap_policy: str = _opt("transformer", "how the model splits into units gathered one at a time: "
                                                 "transformer (by block class), size (by min_num_params), none")
     transformer_layer_cls_to_wrap: list[str] | None = _opt(
@@ -116,6 +129,10 @@ class XShardConfig:
     log_level: str = _opt("info", "debug, info, warning, error or critical")
 
     def __post_init__(self) -> None:
+        stage, hybrid = parse_strategy("stage", self.stage)  # HYBRID_SHARD: a stage and a group size
+        if hybrid and self.shard_group_size is None:
+            self.shard_group_size = "node"
+        self.stage = stage
         for f in fields(self):
             setattr(self, f.name, _normalise(f.name, getattr(self, f.name)))
         self._check_consistency()
@@ -123,7 +140,13 @@ class XShardConfig:
     def _check_consistency(self) -> None:
         from xshard.sharding.plan import ShardingPlan
 
-        if not ShardingPlan.for_stage(self.stage).shard_parameters and (self.offload_params or self.offload_optimizer):
+        shards = ShardingPlan.for_stage(self.stage).shard_parameters
+        if not shards and (self.shard_group_size is not None or self.reshard_after_forward):
+            raise XShardConfigError(
+                "shard_group_size and reshard_after_forward need sharded parameters (stage 1, 2 or 3); stage 0 "
+                "replicates them: raise stage (HYBRID_SHARD is 3, _HYBRID_SHARD_ZERO2 2) or unset them",
+                ("stage", "shard_group_size", "reshard_after_forward"))
+        if not shards and (self.offload_params or self.offload_optimizer):
             raise XShardConfigError(
                 "offload_params/offload_optimizer need stage 1, 2 or 3 (there is no shard to offload at "
                 "stage 0); raise stage or turn offload off", ("stage", "offload_params", "offload_optimizer"))
@@ -222,7 +245,8 @@ class XShardConfig:
             return None if name is None else getattr(torch, _TORCH_DTYPES[name])
 
         return ShardingOptions(
-            stage=self.stage, auto_wrap_policy=self.auto_wrap_policy,
+            stage=self.stage, shard_group_size=self.shard_group_size,
+            reshard_after_forward=self.reshard_after_forward, auto_wrap_policy=self.auto_wrap_policy,
             transformer_layer_cls_to_wrap=list(self.transformer_layer_cls_to_wrap or []) or None,
             min_num_params=self.min_num_params, backward_prefetch=self.backward_prefetch,
             forward_prefetch=self.forward_prefetch, max_inflight_all_gathers=self.max_inflight_all_gathers,
@@ -237,7 +261,7 @@ class XShardConfig:
 # ---------------------------------------------------------------------- field values
 
 FIELD_NAMES = tuple(f.name for f in fields(XShardConfig))
-_OPTIONAL = {"transformer_layer_cls_to_wrap", "reduce_dtype", "gradient_clipping", "train_micro_batch_size_per_gpu",
+_OPTIONAL = {"shard_group_size", "reshard_after_forward", "transformer_layer_cls_to_wrap", "reduce_dtype", "gradient_clipping", "train_micro_batch_size_per_gpu",
              "train_batch_size", "optimizer", "scheduler", "devices", "seed"}
 
 
@@ -269,6 +293,8 @@ def _positive(where: str, value: Any) -> int:
 
 _NORMALISERS: dict[str, Any] = {
     "stage": parse_stage,
+    "shard_group_size": parse_group_size,
+    "reshard_after_forward": parse_reshard,
     "auto_wrap_policy": _choice(WRAP, none="none"),
     "transformer_layer_cls_to_wrap": parse_names,
     "min_num_params": _positive,
@@ -318,6 +344,8 @@ def env_values(env: Mapping[str, str]) -> dict[str, Any]:
         if var not in env:
             continue
         text = env[var]
+        if name == "stage" and parse_strategy(var, text)[1] and ENV_PREFIX + "SHARD_GROUP_SIZE" not in env:
+            values["shard_group_size"] = "node"  # XSHARD_STAGE=HYBRID_SHARD
         if name in _OPTIONAL and text.strip().lower() in ("", "none", "null"):
             value: Any = None
         elif name in ("optimizer", "scheduler"):

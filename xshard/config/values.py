@@ -112,29 +112,70 @@ def parse_choice(where: str, value: Any, choices: Mapping[str, str]) -> str:
 
 
 STAGE_NAMES = {"no_shard": 0, "ddp": 0, "shard_grad_op": 2, "full_shard": 3}
-HYBRID_NAMES = ("hybrid_shard", "hybrid_shard_zero2", "_hybrid_shard_zero2")
-_STAGE_EXPECTED = "0, 1, 2, 3 or one of FULL_SHARD (3), SHARD_GRAD_OP (2), NO_SHARD (0)"
+#: FSDP's hybrid strategies: the stage, sharded within each node and replicated across nodes
+HYBRID_NAMES = {"hybrid_shard": 3, "hybrid_shard_zero2": 2, "_hybrid_shard_zero2": 2}
+_STAGE_EXPECTED = ("0, 1, 2, 3 or one of FULL_SHARD (3), SHARD_GRAD_OP (2), NO_SHARD (0), HYBRID_SHARD (3 within "
+                   "each node), _HYBRID_SHARD_ZERO2 (2 within each node)")
 
 
-def parse_stage(where: str, value: Any) -> int:
-    """ZeRO stage 0-3 from an int, a digit string or an FSDP sharding-strategy name."""
+def parse_strategy(where: str, value: Any) -> tuple[int, bool]:
+    """(ZeRO stage 0-3, hybrid?) from an int, a digit string or an FSDP sharding-strategy name; hybrid
+    strategies (HYBRID_SHARD, _HYBRID_SHARD_ZERO2) shard within each node (shard_group_size: node)."""
     if isinstance(value, str):
         key = value.strip().lower()
         if key in STAGE_NAMES:
-            return STAGE_NAMES[key]
+            return STAGE_NAMES[key], False
         if key in HYBRID_NAMES:
-            raise XShardConfigError(
-                f"{where}: {value!r} (hybrid sharding across nodes) is not supported by xshard; "
-                f"use FULL_SHARD (3), SHARD_GRAD_OP (2) or NO_SHARD (0)",
-                ("stage",),
-            )
+            return HYBRID_NAMES[key], True
     try:
         stage = parse_int(where, value)
     except XShardConfigError:
         raise fail(where, value, _STAGE_EXPECTED, ("stage",)) from None
     if stage not in (0, 1, 2, 3):
         raise fail(where, value, _STAGE_EXPECTED, ("stage",))
-    return stage
+    return stage, False
+
+
+def parse_stage(where: str, value: Any) -> int:
+    """ZeRO stage 0-3 (a hybrid strategy name gives its stage; see ``read_strategy`` for the rest)."""
+    return parse_strategy(where, value)[0]
+
+
+def read_strategy(reading: Reading, where: str, value: Any) -> None:
+    """Set ``stage`` from a sharding strategy, and ``shard_group_size: node`` for a hybrid one unless
+    the file gives a size itself."""
+    stage, hybrid = parse_strategy(where, value)
+    reading.set("stage", stage, where)
+    if hybrid and "shard_group_size" not in reading.values:
+        reading.set("shard_group_size", "node", where)
+
+
+def parse_group_size(where: str, value: Any) -> int | str | None:
+    """``shard_group_size``: None (every rank in one group), "node" (LOCAL_WORLD_SIZE) or a positive int."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null", "world")):
+        return None
+    if isinstance(value, str) and value.strip().lower() in ("node", "local_world_size"):
+        return "node"
+    expected = "null (every rank), 'node' (the processes of one node) or a positive number of ranks"
+    try:
+        return parse_int(where, value, 1)
+    except XShardConfigError:
+        raise fail(where, value, expected, ("shard_group_size",)) from None
+
+
+def parse_reshard(where: str, value: Any) -> bool | int | None:
+    """``reshard_after_forward``: None (the stage's default), true, false or a group size (an int >= 1)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "on", "off"):
+        return parse_bool(where, value)
+    try:
+        return parse_int(where, value, 1)
+    except XShardConfigError:
+        raise fail(where, value, "true, false, null or a number of ranks to reshard to (a divisor of the shard "
+                   "group size)", ("reshard_after_forward",)) from None
 
 
 #: dtype spellings -> the names xshard stores ("fp32", "bf16", "fp16")

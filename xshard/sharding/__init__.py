@@ -11,14 +11,17 @@ on every backend. Files, one job each:
 - ``params``: a parameter's two faces (the user's shard-holding Parameter, the full compute copy)
 - ``unit``: a unit's state, all-gather and gradient reduce
 - ``engine``: the engine interface; ``shard_engine`` (stages 1-3) and ``replicate`` (stage 0)
+- ``groups``: the shard, replica and post-forward groups of hybrid sharding and reshard_after_forward=k
+- ``sharded_init``: build a model in code with each rank holding only its rows of a normal init
 - ``precision``, ``buffers``, ``grad_clip``, ``scaler``, ``state_dict``, ``stats``, ``materialize``
 - ``model``: ShardedModel and shard_model
 """
 
 from .model import ShardedModel, ShardedParamView, shard_model
 from .options import ShardingOptions, normalise_stage
-from .plan import GradReduction, Precision, ReduceTiming, ShardingPlan
+from .plan import GradReduction, Precision, ReduceTiming, ReshardAfterForward, ShardingPlan
 from .scaler import ShardedGradScaler
+from .sharded_init import sharded_init
 
 __all__ = ["GradReduction", "Precision", "ReduceTiming", "ShardedGradScaler", "ShardedModel", "ShardedParamView",
-           "ShardingOptions", "ShardingPlan", "normalise_stage", "shard_model"]
+           "ReshardAfterForward", "ShardingOptions", "ShardingPlan", "normalise_stage", "shard_model", "sharded_init"]

@@ -17,13 +17,16 @@ from . import stats as _stats
 from .buffers import BufferSync
 from .engine import Engine
 from .grad_clip import clip_grad_norm_
+from .groups import ProcessGroups
 from .layout import ShardLayout
+from .materialize import fill_parameters, fill_shards
 from .options import ShardingOptions
 from .params import Rebound
 from .plan import ShardingPlan
 from .precision import ForwardPrecision, cast_buffers, install_fp32_norms
 from .replicate import ReplicatedEngine
 from .shard_engine import ShardedEngine
+from .sharded_init import RecordedRows, recording_of
 from .unit import Runtime, Unit
 from .wrap import split_into_units
 
@@ -67,24 +70,45 @@ class ShardedModel(nn.Module):
         self.module = module
         self.backend = backend
         self.options = options
-        self.plan = ShardingPlan.from_options(options)
+        #: the job's collectives (the whole world: buffers, checks, counters); parameters move over
+        #: ``self.groups`` (the shard group, and the replica group with hybrid sharding)
         self.collectives = backend.collectives
+        self.plan = ShardingPlan.from_options(options, self.collectives.world_size, backend.world.local_world_size)
         self._optimizers: list[torch.optim.Optimizer] = []
         plan = self.plan
         device = backend.device()
         # Meta-parameter hook: sharded plans give meta parameters empty shards that
         # xshard.sharding.materialize fills; replication and sync_module_states need real values.
-        if (not plan.shard_parameters or options.sync_module_states) and any(p.is_meta for p in module.parameters()):
+        # A model built under sharded_init is filled here from its recording (stage 0: whole values
+        # now; stages 1-3: each rank's rows once the units exist), rank 0's with sync_module_states.
+        recording = recording_of(module)
+        init_rows = None
+        rebound = Rebound()
+        if recording is not None:
+            init_rows = RecordedRows(recording, module, self.collectives if options.sync_module_states else None,
+                                     device)
+            if not plan.shard_parameters:
+                before = dict(module.named_parameters(remove_duplicate=False))
+                fill_parameters(module, init_rows)
+                after = dict(module.named_parameters(remove_duplicate=False))
+                for name, old in before.items():
+                    rebound.add(old, after[name])
+        has_meta = any(p.is_meta for p in module.parameters())
+        if (not plan.shard_parameters or options.sync_module_states) and has_meta and recording is None:
             raise ValueError("the model has parameters on the meta device: stage 0 and sync_module_states need "
-                             "real values. Load the weights first, or use stage 1-3 and fill the shards with "
-                             "xshard.sharding.materialize (xshard.pretrained.from_pretrained_sharded does both)")
-        if options.sync_module_states and self.collectives.world_size > 1:
+                             "real values. Load the weights first, build the model inside sharded_init(), or use "
+                             "stage 1-3 and fill the shards with xshard.sharding.materialize "
+                             "(xshard.pretrained.from_pretrained_sharded does both)")
+        if options.sync_module_states and self.collectives.world_size > 1 and recording is None:
             _sync_module_states(module, self.collectives, device)
         cast_buffers(module, device, plan.precision.buffer_dtype)
+        self.groups = ProcessGroups.make(backend, plan)
+        shard = self.groups.shard
         self._rt = Runtime(
-            collectives=self.collectives, rank=self.collectives.rank, world_size=self.collectives.world_size,
+            collectives=shard, rank=shard.rank, world_size=shard.world_size,
             device=device, shard_device=torch.device("cpu") if plan.offload else device, plan=plan,
             frees_storage_by_resize=backend.frees_storage_by_resize,
+            replicas=self.groups.replicas, post_forward=self.groups.post_forward, rebound=rebound,
         )
         specs = split_into_units(module, options)
         if options.activation_checkpointing:
@@ -106,6 +130,10 @@ class ShardedModel(nn.Module):
                                             precision.reduce_dtype or precision.param_dtype)
         self._num_units = len(specs)
         self._layouts = self._collect_layouts()
+        if init_rows is not None and plan.shard_parameters:
+            fill_shards(self, init_rows)
+        if self.groups.replicas is not None and not options.sync_module_states and (recording is not None or not has_meta):
+            self._align_replicas()
         autocast_dtype = precision.autocast_dtype
         self._precision = ForwardPrecision(
             module, lambda: backend.autocast(autocast_dtype, enabled=autocast_dtype is not None),
@@ -118,6 +146,17 @@ class ShardedModel(nn.Module):
         self._step_patch = backend.optimizer_step_patch() if plan.shard_parameters else None
         self._finalizer = weakref.finalize(self, self._step_patch.restore) if self._step_patch else None
         self._closed = False
+
+    def _align_replicas(self) -> None:
+        """Hybrid sharding: every replica of a shard takes the first replica's values (one broadcast per
+        parameter over the replica group), so replicas cannot start apart, e.g. from ranks that built
+        the model with different seeds (sync_module_states does this for the whole model instead)."""
+        with torch.no_grad():
+            for unit in self.units:
+                for sp in unit.params:
+                    self.groups.replicas.broadcast(sp.padded, src=0, tag=f"broadcast of replica 0's shard of "
+                                                                         f"{sp.spec.fqn}")
+        self._engine.shards_changed()
 
     def _checkpoint_units(self, unit_modules: list[nn.Module]) -> None:
         leaves = [m for m in unit_modules
@@ -155,6 +194,12 @@ class ShardedModel(nn.Module):
     def stage(self) -> int:
         """The ZeRO stage (0-3) this model's plan was made from."""
         return self.plan.stage
+
+    @property
+    def replica_rank(self) -> int:
+        """Which copy of the shards this rank holds: the index of its shard group (0 without hybrid
+        sharding). Checkpoints take the shards of replica 0 only."""
+        return self.groups.replica_rank
 
     # ------------------------------------------------------------------ read surface for the core's siblings
     def sharded_params(self) -> list[ShardedParamView]:
@@ -204,9 +249,10 @@ class ShardedModel(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by their global norm over all ranks' shards; every rank returns the same norm."""
+        # each shard group holds every gradient once (replicas hold equal copies after the reduce)
         return clip_grad_norm_(
-            self.module.parameters(), max_norm, norm_type, self.collectives, self._rt.device,
-            sharded=self.plan.shard_parameters and self.collectives.world_size > 1,
+            self.module.parameters(), max_norm, norm_type, self._rt.collectives, self._rt.device,
+            sharded=self.plan.shard_parameters and self._rt.world_size > 1,
         )
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -259,12 +305,18 @@ class ShardedModel(nn.Module):
 
         ``comm``: bytes and calls per collective kind (ZeRO-paper convention, see
         ``backends/collectives.py``). Per training step, with psi the parameter bytes in the
-        communication dtype padded to dim-0 shards: stage 0 all-reduces the trainable gradients
-        (2 psi); stages 1-2 all-gather psi (only after the shards changed) and reduce-scatter the
-        trainable psi (2 psi); stage 3 gathers every non-root unit twice and the root unit once (it
-        stays gathered from its forward to the end of backward) and reduce-scatters once:
-        3 psi - psi_root. Frozen parameters are never reduced. ``state_bytes``: see ``stats.py``.
-        ``gathers``: all-gathers issued ahead of need and the most units held at once.
+        communication dtype padded to dim-0 shards of the shard group (G ranks: the world unless
+        hybrid): stage 0 all-reduces the trainable gradients (2 psi); stages 1-2 all-gather psi
+        (only after the shards changed) and reduce-scatter the trainable psi (2 psi); stage 3 gathers
+        every non-root unit twice and the root unit once (it stays gathered from its forward to the
+        end of backward) and reduce-scatters once: 3 psi - psi_root. Frozen parameters are never
+        reduced. Hybrid sharding adds ``all_reduce_inter``, the reduced shards averaged across
+        replicas: 2 psi_trainable / G (all-reduce counts twice; over the inter-node links), while
+        ``all_gather`` and ``reduce_scatter`` stay inside the shard group (a node).
+        ``reshard_after_forward=k`` moves backward's all-gathers to ``all_gather_post_forward``
+        (psi_k - psi_k,root, psi_k padded to k shards) inside groups of k ranks, leaving psi in
+        ``all_gather``. ``state_bytes``: see ``stats.py``. ``gathers``: all-gathers issued ahead of
+        need and the most units held at once.
         """
         return {
             "comm": self.collectives.counter.snapshot(),
@@ -273,6 +325,8 @@ class ShardedModel(nn.Module):
             "gathers": {"prefetched": self._engine.prefetched, "peak_in_flight": self._engine.peak_in_flight},
             "stage": self.plan.stage,
             "world_size": self.collectives.world_size,
+            "shard_group_size": self.plan.shard_group_size,
+            "replicas": self.plan.replicas,
         }
 
     def reset_stats(self) -> None:

@@ -14,6 +14,10 @@ STAGE_NAMES: dict[str, int] = {
     "SHARD_GRAD_OP": 2,
     "FULL_SHARD": 3,
 }
+#: FSDP's hybrid strategies: the stage, sharded within a node and replicated across nodes
+HYBRID_NAMES: dict[str, int] = {"HYBRID_SHARD": 3, "HYBRID_SHARD_ZERO2": 2, "_HYBRID_SHARD_ZERO2": 2}
+#: ``shard_group_size`` value meaning "the processes of one node" (LOCAL_WORLD_SIZE)
+NODE = "node"
 WRAP_POLICIES = ("transformer", "size", "none")
 BACKWARD_PREFETCH = ("pre", "post", "none")
 
@@ -31,6 +35,22 @@ def normalise_stage(stage: int | str) -> int:
         if key in STAGE_NAMES:
             return STAGE_NAMES[key]
     raise ValueError(f"stage={stage!r} is not valid: use one of 0, 1, 2, 3 or {sorted(STAGE_NAMES)}")
+
+
+def _group_size(value: int | str | None) -> int | str | None:
+    """``shard_group_size`` normalised: None, "node" or a positive int."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == NODE:
+            return NODE
+        if text.isdigit():
+            value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"shard_group_size={value!r} is not valid: use None (every rank), 'node' (the processes "
+                         "of one node) or a positive number of ranks that divides the world size")
+    return value
 
 
 def _check_dtype(name: str, value: torch.dtype | None) -> None:
@@ -61,6 +81,20 @@ class ShardingOptions:
     output_dtype: floating outputs of the model's forward are cast to this dtype (e.g. fp32, as
         Accelerate returns them); None leaves them as computed.
     keep_norms_fp32: norm layers compute in fp32 (their parameters are gathered in fp32).
+    shard_group_size: hybrid sharding (FSDP's HYBRID_SHARD, DeepSpeed's MiCS): parameters,
+        gradients and optimizer state are sharded within groups of this many consecutive ranks and
+        replicated across the groups; all-gathers and reduce-scatters stay inside a group and the
+        reduced gradient shards are averaged across groups with one all-reduce each. None: one
+        group of every rank (plain ZeRO / FULL_SHARD); "node": the processes of one node
+        (LOCAL_WORLD_SIZE, as torchrun and ``xshard launch`` set it); an int must divide the world
+        size. The FSDP names HYBRID_SHARD (stage 3) and _HYBRID_SHARD_ZERO2 (stage 2) as ``stage``
+        set it to "node" unless it is given.
+    reshard_after_forward: what a unit keeps of its full parameters from its forward to its backward,
+        as FSDP2's argument: True frees them (stage 3's default), False keeps them (stages 1-2's
+        default; stage 3 with False is stage 2), an int ``k`` (a divisor of the shard group size)
+        keeps a 1/k piece on each rank so that the backward all-gather runs within groups of ``k``
+        consecutive ranks (a node: ZeRO++'s hpZ), for 1/k of the parameters held in between. None:
+        the stage's default.
     offload_params / offload_optimizer: keep parameter shards, gradient shards and optimizer
         state in host memory (the optimizer steps on the CPU).
     activation_checkpointing: recompute each unit's activations in backward.
@@ -73,6 +107,8 @@ class ShardingOptions:
     """
 
     stage: int | str = 3
+    shard_group_size: int | str | None = None
+    reshard_after_forward: bool | int | None = None
     auto_wrap_policy: str = "transformer"
     transformer_layer_cls_to_wrap: list[str] | None = None
     min_num_params: int = 100_000_000
@@ -97,7 +133,16 @@ class ShardingOptions:
 
     def validate(self) -> ShardingOptions:
         """Normalise and check every field; raise ValueError naming the field and the valid values."""
+        if isinstance(self.stage, str) and self.stage.strip().upper() in HYBRID_NAMES:
+            if self.shard_group_size is None:
+                self.shard_group_size = NODE
+            self.stage = HYBRID_NAMES[self.stage.strip().upper()]
         self.stage = normalise_stage(self.stage)
+        self.shard_group_size = _group_size(self.shard_group_size)
+        if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
+            if not isinstance(self.reshard_after_forward, int) or self.reshard_after_forward < 1:
+                raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r} is not valid: use True, False, "
+                                 "None (the stage's default) or a group size (an int that divides the shard group)")
         policy = str(self.auto_wrap_policy).strip().lower()
         if policy not in WRAP_POLICIES:
             raise ValueError(f"auto_wrap_policy={self.auto_wrap_policy!r} is not valid: use one of {WRAP_POLICIES}")

@@ -11,6 +11,10 @@
 When the plan frees full copies after forward, the storage is freed with
 ``untyped_storage().resize_(0)``: the tensor object autograd saved stays valid and is refilled
 before backward needs it. Devices without resizable storage (XLA) replace ``.data`` instead.
+
+With ``reshard_after_forward=k`` a third, transient face exists between a unit's forward and its
+backward: ``post_forward``, this rank's piece of the full copy over a group of k ranks
+(``post_layout``), from which backward gathers within that smaller group.
 """
 
 from __future__ import annotations
@@ -43,17 +47,16 @@ def rehome(spec: ParamSpec, data: torch.Tensor, rebound: Rebound) -> nn.Paramete
     """Make the user's Parameter hold ``data`` (its shard, or itself on the compute device).
 
     ``param.data = data`` keeps the Parameter object, so optimizers built earlier stay valid. A
-    tensor type that cannot take another's data in place (a CPU Parameter and an XLA tensor) gets a
-    new Parameter in every place that registered the old one; ``rebound`` records it, so that the
-    caller can rebind optimizers that hold the old one (as Accelerate does on TPUs).
+    tensor type that cannot take another's data in place (a CPU Parameter and an XLA tensor, or a meta
+    Parameter) gets a new Parameter in every place that registered the old one; ``rebound`` records
+    it, so that the caller can rebind optimizers that hold the old one (as Accelerate does on TPUs).
     """
     p = spec.param
     if p.is_meta or not torch._has_compatible_shallow_copy_type(p, data):
         new = nn.Parameter(data, requires_grad=p.requires_grad)
         for module, attr in spec.places:
             module._parameters[attr] = new
-        if not p.is_meta:
-            rebound.add(p, new)
+        rebound.add(p, new)  # a meta Parameter too (sharded_init): an optimizer built on it is rebound
         spec.param = new
         return new
     p.data = data
@@ -65,10 +68,15 @@ class ShardedParam:
 
     def __init__(self, spec: ParamSpec, world_size: int, rank: int, device: torch.device,
                  shard_device: torch.device, gather_dtype: torch.dtype, resident: bool,
-                 frees_storage_by_resize: bool, rebound: Rebound) -> None:
+                 frees_storage_by_resize: bool, rebound: Rebound, post_forward_size: int | None = None) -> None:
         p = spec.param
         self.spec = spec
         self.layout = ShardLayout.of(p.shape, world_size, rank)
+        #: the geometry of the post-forward piece (reshard_after_forward=k; groups of k consecutive
+        #: ranks inside the shard group), and the piece itself while it is held
+        self.post_layout = (ShardLayout.of(p.shape, post_forward_size, rank % post_forward_size)
+                            if post_forward_size else None)
+        self.post_forward: torch.Tensor | None = None
         self.dtype = p.dtype
         self.gather_dtype = gather_dtype
         lay = self.layout
@@ -80,13 +88,13 @@ class ShardedParam:
                 self.padded[: lay.local_numel].copy_(lay.local_rows(p.detach()).reshape(-1))
             #: the full parameter is the first ``numel`` elements of ``gather_numel`` (>= numel when
             #: dim 0 does not divide by the world size), so padded shards line up with no copy out
-            flat = torch.empty(lay.gather_numel, dtype=gather_dtype, device=device)
+            flat = torch.empty(self.storage_numel, dtype=gather_dtype, device=device)
             full = flat[: lay.numel].view(lay.shape)
             if resident and not p.is_meta:  # resident copies start from local values (gathered before use)
                 full.copy_(p.detach())
             self.full = nn.Parameter(full, requires_grad=p.requires_grad)
             self.user: nn.Parameter = rehome(spec, self.padded[: lay.local_numel].view(lay.local_shape), rebound)
-        self.full_bytes = lay.gather_numel * self.full.element_size()
+        self.full_bytes = self.storage_numel * self.full.element_size()
         # Where all-gathers write: the full parameter's own storage seen flat, padding included. A
         # separate tensor object (own version counter), so refilling a storage that autograd saved
         # in forward does not look like an in-place change of the saved tensor. Devices that free
@@ -94,7 +102,13 @@ class ShardedParam:
         self.gather_target: torch.Tensor | None = None
         if frees_storage_by_resize:
             self.gather_target = torch.empty(0, dtype=gather_dtype, device=device).set_(
-                self.full.untyped_storage(), 0, (lay.gather_numel,))
+                self.full.untyped_storage(), 0, (self.storage_numel,))
+
+    @property
+    def storage_numel(self) -> int:
+        """Elements of the full copy's storage: room for an all-gather over either group."""
+        post = self.post_layout.gather_numel if self.post_layout is not None else 0
+        return max(self.layout.gather_numel, post)
 
     @property
     def trainable(self) -> bool:

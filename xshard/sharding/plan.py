@@ -13,6 +13,18 @@ a new branch in twenty places. The translation, as PyTorch FSDP2 describes the s
 Stage 0 has no compute copies: the model computes with the user's parameters and mixed precision
 comes from autocast alone, as with DDP. Stages 1-3 compute with full copies in ``param_dtype``
 (gathered in that dtype, half the bytes for bf16), under the same autocast.
+
+Two more policies are orthogonal to the stage:
+
+- ``shard_group_size`` (hybrid sharding, FSDP's HYBRID_SHARD / HSDP, DeepSpeed's MiCS): stages 1-3
+  shard over groups of G consecutive ranks (a node) instead of the whole world and replicate across
+  the W / G groups. A unit's all-gather and reduce-scatter stay inside its group; the reduced
+  gradient shard is then averaged across groups (one all-reduce per unit over the rank's replica
+  group: the ranks holding the same rows). Every rank thus sends psi-sized all-gathers and
+  reduce-scatters over the fast intra-node links and only 2 psi / G over the inter-node network.
+- ``reshard_after_forward`` (FSDP2's, a ``ReshardAfterForward``): whether full copies are freed after
+  forward, and whether backward gathers them back from the shard group or from a smaller group of
+  consecutive ranks that kept 1/k each (FSDP2's int, ZeRO++ hpZ).
 """
 
 from __future__ import annotations
@@ -72,41 +84,70 @@ class Precision:
 
 
 @dataclass(frozen=True)
+class ReshardAfterForward:
+    """What a unit keeps of its full parameters from its forward to its backward.
+
+    frees: the full copies are freed after forward and gathered again for backward (stage 3; FSDP2's
+        ``True``); False: they stay resident until the shards change (stages 1-2; FSDP2's ``False``).
+    post_forward_group_size: when freeing, each rank first keeps a 1/k piece of the full copies (k =
+        this size, a divisor of the shard group size), so the backward all-gather runs within groups
+        of k consecutive ranks (a node) instead of the whole shard group (FSDP2's int, ZeRO++'s hpZ).
+        None: backward gathers from the shards, over the shard group.
+    """
+
+    frees: bool
+    post_forward_group_size: int | None = None
+
+
+@dataclass(frozen=True)
 class ShardingPlan:
     """What a sharded model does, policy by policy (see the module docstring).
 
     stage: the ZeRO stage this plan was made from, for reports only.
+    world_size: ranks of the job.
     shard_parameters: the user's Parameters hold dim-0 shards and full compute copies are gathered
         for forward and backward; False: parameters stay whole on every rank (replicated).
-    reshard_after_forward: full copies are freed after each unit's forward and gathered again for
-        its backward; False: they stay resident and are refreshed when the shards change.
-    grad_reduction, reduce_timing: how and when gradients are averaged.
+    shard_group_size: ranks one parameter is sharded over (consecutive global ranks); the world
+        size unless hybrid sharding, 1 at stage 0. ``replicas`` = world_size / shard_group_size.
+    reshard_after_forward: see ``ReshardAfterForward``.
+    grad_reduction, reduce_timing: how and when gradients are averaged (REDUCE_SCATTER within the
+        shard group, followed by an all-reduce across replicas when there are several).
     offload: shards, gradient shards and optimizer state live in host memory.
     precision: the mixed-precision policy.
     """
 
     stage: int
+    world_size: int
     shard_parameters: bool
-    reshard_after_forward: bool
+    shard_group_size: int
+    reshard_after_forward: ReshardAfterForward
     grad_reduction: GradReduction
     reduce_timing: ReduceTiming
     offload: bool
     precision: Precision
 
+    @property
+    def replicas(self) -> int:
+        """Copies of every shard in the job (one per shard group)."""
+        return self.world_size // self.shard_group_size
+
     @classmethod
     def for_stage(cls, stage: int | str) -> ShardingPlan:
-        """The plan of ZeRO stage ``stage`` with every other option at its default (for code that
-        only needs to know what a stage does: config checks, estimates, reports)."""
+        """The plan of ZeRO stage ``stage`` with every other option at its default, on one rank (for
+        code that only needs to know what a stage does: config checks, estimates, reports)."""
         return cls.from_options(ShardingOptions(stage=stage))
 
     @classmethod
-    def from_options(cls, options: ShardingOptions) -> ShardingPlan:
-        """The plan for ``options`` (the only place that reads ``options.stage``)."""
+    def from_options(cls, options: ShardingOptions, world_size: int = 1,
+                     local_world_size: int | None = None) -> ShardingPlan:
+        """The plan for ``options`` on ``world_size`` ranks, ``local_world_size`` per node (the only
+        place that reads ``options.stage``)."""
         stage = int(options.stage)
         precision = Precision(
             param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype, buffer_dtype=options.buffer_dtype,
             output_dtype=options.output_dtype, autocast=options.autocast, keep_norms_fp32=options.keep_norms_fp32,
         )
+        group = _shard_group_size(options.shard_group_size, world_size, local_world_size)
         if stage == 0:
             if options.offload:
                 raise ValueError("offload_params/offload_optimizer need stage 1, 2 or 3 (stage 0 replicates "
@@ -114,10 +155,53 @@ class ShardingPlan:
             if precision.param_dtype is not None and not precision.autocast:
                 raise ValueError("stage 0 computes with the model's own parameters, so param_dtype takes effect "
                                  "only through autocast: keep autocast=True, or use stage 1-3 for compute copies")
-            return cls(stage, shard_parameters=False, reshard_after_forward=False,
+            if group != world_size:
+                raise ValueError(f"shard_group_size={options.shard_group_size!r} shards within groups of ranks, but "
+                                 "stage 0 shards nothing: use stage 1, 2 or 3 (HYBRID_SHARD is stage 3, "
+                                 "_HYBRID_SHARD_ZERO2 stage 2), or leave shard_group_size unset")
+            if options.reshard_after_forward:
+                raise ValueError("reshard_after_forward needs sharded parameters (stage 1-3); stage 0 replicates "
+                                 "them: leave it unset or False at stage 0")
+            return cls(stage, world_size, shard_parameters=False, shard_group_size=1,
+                       reshard_after_forward=ReshardAfterForward(False),
                        grad_reduction=GradReduction.ALL_REDUCE, reduce_timing=ReduceTiming.AS_READY,
                        offload=False, precision=precision)
-        return cls(stage, shard_parameters=True, reshard_after_forward=stage == 3,
+        return cls(stage, world_size, shard_parameters=True, shard_group_size=group,
+                   reshard_after_forward=_reshard(options.reshard_after_forward, stage, group),
                    grad_reduction=GradReduction.REDUCE_SCATTER,
                    reduce_timing=ReduceTiming.END_OF_BACKWARD if stage == 1 else ReduceTiming.AS_READY,
                    offload=options.offload, precision=precision)
+
+
+def _shard_group_size(value: int | str | None, world_size: int, local_world_size: int | None) -> int:
+    """Ranks per shard group: the world (None), one node's processes ("node"), or a divisor of the world."""
+    if value is None:
+        return world_size
+    if value == "node":
+        local = world_size if local_world_size is None else int(local_world_size)
+        if local < 1 or world_size % local:
+            raise ValueError(f"shard_group_size='node' needs the same number of processes on every node, but "
+                             f"LOCAL_WORLD_SIZE={local} does not divide WORLD_SIZE={world_size}: start as many "
+                             "processes on each node, or give shard_group_size as a number of ranks")
+        return local
+    size = int(value)
+    if size > world_size or world_size % size:
+        raise ValueError(f"shard_group_size={size} must divide the world size {world_size} (groups of consecutive "
+                         f"ranks, one per node usually): use a divisor of {world_size}, 'node', or None")
+    return size
+
+
+def _reshard(value: bool | int | None, stage: int, group: int) -> ReshardAfterForward:
+    """The reshard policy: the stage's default (stage 3 frees), or FSDP2's True / False / int."""
+    if value is None:
+        return ReshardAfterForward(stage == 3)
+    if isinstance(value, bool):
+        return ReshardAfterForward(value)
+    if group % value:
+        raise ValueError(f"reshard_after_forward={value} must divide the shard group size {group} (post-forward "
+                         f"groups of consecutive ranks inside a shard group): use a divisor of {group}, True or False")
+    if value == 1:  # a group of one keeps the whole parameter: FSDP2's False
+        return ReshardAfterForward(False)
+    if value == group:  # the whole shard group: FSDP2's True
+        return ReshardAfterForward(True)
+    return ReshardAfterForward(True, post_forward_group_size=value)

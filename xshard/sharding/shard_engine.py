@@ -68,7 +68,7 @@ class ShardedEngine(Engine):
         self.units = units
         self.root = units[0]
         self.plan = plan
-        self.forward_prefetch = bool(options.forward_prefetch) or not plan.reshard_after_forward
+        self.forward_prefetch = bool(options.forward_prefetch) or not plan.reshard_after_forward.frees
         self.backward_prefetch = options.backward_prefetch
         self.max_inflight = int(options.max_inflight_all_gathers)
         self.order: list[Unit] = []  # non-root units in the last forward's order
@@ -97,7 +97,7 @@ class ShardedEngine(Engine):
 
     # ------------------------------------------------------------------ prefetch
     def _inflight(self) -> int:
-        if self.plan.reshard_after_forward:
+        if self.plan.reshard_after_forward.frees:
             return sum(1 for u in self.units if not u.is_root and u.state is not UnitState.SHARDED)
         return sum(1 for u in self.units if u.state is UnitState.GATHERING)
 
@@ -158,8 +158,10 @@ class ShardedEngine(Engine):
             self.order = self._recording
         grad_outputs = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
         backward_follows = bool(grad_outputs)
-        if self.plan.reshard_after_forward and not (unit.is_root and backward_follows):
-            unit.reshard()  # the root stays gathered only if a backward can follow
+        if self.plan.reshard_after_forward.frees and not (unit.is_root and backward_follows):
+            # the root stays gathered only if a backward can follow; with reshard_after_forward=k a
+            # unit keeps its post-forward piece for that backward
+            unit.reshard(keep_post_forward=backward_follows)
         if unit.is_root and not backward_follows:
             self._settle_gathers()  # no backward: gathers prefetched for units that never ran end here
         hook = functools.partial(self._pre_backward, unit)
@@ -171,7 +173,7 @@ class ShardedEngine(Engine):
         """Complete every gather in flight (each collective must finish on every rank) and, when the
         plan reshards after forward, free what is gathered."""
         for unit in self.units:
-            if self.plan.reshard_after_forward:
+            if self.plan.reshard_after_forward.frees:
                 unit.reshard()
             else:
                 unit.finish_gather()
@@ -207,7 +209,7 @@ class ShardedEngine(Engine):
         unit.swap_out()
         if self.sync and self.plan.reduce_timing is ReduceTiming.AS_READY:
             self._reduce(unit)
-        if self.plan.reshard_after_forward:
+        if self.plan.reshard_after_forward.frees:
             unit.reshard()
         if self.backward_prefetch == "post":
             self._prefetch(self._after(unit, self.order[::-1]))
@@ -216,6 +218,10 @@ class ShardedEngine(Engine):
         while len(self._reduces) >= _MAX_REDUCES_IN_FLIGHT:
             self._reduces.popleft().finish()
         pending = unit.start_reduce()
+        # hybrid sharding: the earlier units' reduce-scatters were issued a unit ago; hand them to the
+        # all-reduce across replicas while this unit's reduce-scatter runs (a no-op with one replica)
+        for earlier in self._reduces:
+            earlier.launch_inter()
         if pending is not None:
             self._reduces.append(pending)
 
@@ -257,5 +263,5 @@ class ShardedEngine(Engine):
             self._summoned = False
             for unit in self.units:
                 unit.swap_out()
-                if self.plan.reshard_after_forward:
+                if self.plan.reshard_after_forward.frees:
                     unit.reshard()

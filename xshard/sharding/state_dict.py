@@ -189,20 +189,23 @@ def load_full_state_dict(model: Any, state_dict: dict[str, torch.Tensor]) -> Non
 # A "piece" is the dim-0 row range of one state-dict entry that this rank holds. Sharded parameters
 # hold rows ``ShardLayout.start:stop``; everything else (buffers, stage-0 parameters) is replicated,
 # so its piece is every row and only rank 0 needs to write it. 0-dim tensors are viewed as one row.
-# Checkpoints store and reassemble these pieces by rows, which is what lets a checkpoint written on
-# W ranks load on any other number of ranks.
+# With hybrid sharding every shard exists once per shard group (replica): only the first replica's
+# ranks write theirs, so a checkpoint holds each row once. ``writes`` says whether this rank is the
+# one to write a piece. Checkpoints store and reassemble these pieces by rows, which is what lets a
+# checkpoint written on W ranks (in any shard groups) load on any other number of ranks.
 
 
 class LocalPiece:
     """Rows ``[start, stop)`` of state-dict entry ``key`` (full shape ``shape``) held by this rank."""
 
-    __slots__ = ("key", "shape", "start", "stop", "tensor", "sharded")
+    __slots__ = ("key", "shape", "start", "stop", "tensor", "sharded", "writes")
 
     def __init__(self, key: str, shape: tuple[int, ...], start: int, stop: int, tensor: torch.Tensor,
-                 sharded: bool) -> None:
+                 sharded: bool, writes: bool) -> None:
         self.key, self.shape, self.start, self.stop = key, shape, start, stop
         self.tensor = tensor  # the live tensor (the user's Parameter or buffer), shape (stop - start, *rest)
         self.sharded = sharded
+        self.writes = writes  # this rank writes the piece (its rows are held by no rank written before it)
 
 
 def local_pieces(model: Any) -> dict[str, LocalPiece]:
@@ -213,15 +216,18 @@ def local_pieces(model: Any) -> dict[str, LocalPiece]:
     out: dict[str, LocalPiece] = {}
     with model.raw_state_dict():
         entries = module.state_dict(keep_vars=True)
+    first_rank = model.collectives.rank == 0
+    first_replica = model.replica_rank == 0
     for key, value in entries.items():
         p = by_key.get(key)
         layout = layouts.get(id(p)) if p is not None else None
-        if layout is not None:
-            out[key] = LocalPiece(key, tuple(layout.shape), layout.start, layout.stop, value,
-                                  layout.world_size > 1)
+        if layout is not None:  # the layout's shape: a 0-dim parameter's shard is one row
+            sharded = layout.world_size > 1
+            out[key] = LocalPiece(key, tuple(layout.shape), layout.start, layout.stop, value, sharded,
+                                  first_replica if sharded else first_rank)
         else:
             shape = tuple(value.shape)
-            out[key] = LocalPiece(key, shape, 0, rows_of(shape), value, False)
+            out[key] = LocalPiece(key, shape, 0, rows_of(shape), value, False, first_rank)
     return out
 
 

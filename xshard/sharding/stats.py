@@ -23,7 +23,8 @@ def state_bytes(model: Any) -> dict[str, int]:
     """``{"params", "unsharded_params", "grads", "optimizer", "device", "offloaded", "total"}`` in bytes.
 
     ``params``: what this rank keeps of the parameters (padded shards; the full tensors at stage 0).
-    ``unsharded_params``: full compute copies allocated right now (stages 1-3).
+    ``unsharded_params``: full compute copies allocated right now (stages 1-3), and the post-forward
+    pieces held between a forward and its backward (``reshard_after_forward=k``).
     ``grads``: gradient shards in ``param.grad`` plus full gradients not yet reduced.
     ``optimizer``: tensors in the state of optimizers passed to ``register_optimizer``.
     """
@@ -48,6 +49,7 @@ def state_bytes(model: Any) -> dict[str, int]:
             for sp in unit.params:
                 add("params", sp.padded, offload)
                 add("unsharded_params", sp.full, False, unit.live_full_bytes(sp))
+                add("unsharded_params", sp.post_forward, False)
                 add("grads", sp.user.grad, offload)
                 add("grads", sp.full.grad, False)
     else:

@@ -15,6 +15,18 @@ zeros, and a flag per parameter travels in the same collective, so after the red
 whether any rank produced a gradient: a parameter used on no rank keeps ``grad is None`` (AdamW's
 decay and momentum then leave it alone, as in plain PyTorch and DDP); one used on some ranks gets
 the average, as in DDP. The flags are read on the host only when this rank lacked a gradient.
+
+Hybrid sharding: ``rt.collectives`` is the shard group, so gathers and reduce-scatters stay inside
+it; the reduced shards (and the flags) of one reduce lie in one flat buffer, which is then averaged
+across the replica group (``rt.replicas``) with one all-reduce. That all-reduce can only start
+once the reduce-scatter is done: ``PendingReduce.launch_inter`` starts it, and the engine calls it
+for the earlier units while a later unit's reduce-scatter is in flight.
+
+``reshard_after_forward=k``: ``reshard(keep_post_forward=True)`` (after forward) keeps this rank's
+1/k piece of the freshly used full copies before freeing them, and the next gather (backward's)
+all-gathers those pieces within the post-forward group (``rt.post_forward``) instead of gathering the
+shards over the whole shard group, as long as the shards have not changed since; any other reshard
+drops the pieces.
 """
 
 from __future__ import annotations
@@ -50,13 +62,17 @@ class BackwardState(enum.Enum):
 class Runtime:
     """What every unit of one sharded model shares."""
 
-    collectives: object
-    rank: int
-    world_size: int
+    collectives: object  # the shard group's (the world's without hybrid sharding)
+    rank: int  # in the shard group
+    world_size: int  # of the shard group
     device: torch.device  # compute device
     shard_device: torch.device  # where master shards, gradient shards and optimizer state live
     plan: ShardingPlan
     frees_storage_by_resize: bool = True
+    #: the replica group's collectives (hybrid sharding), None with one replica
+    replicas: object | None = None
+    #: the post-forward group's collectives (reshard_after_forward=k), None otherwise
+    post_forward: object | None = None
     #: Parameters replaced where a device could not take their data in place
     rebound: Rebound = field(default_factory=Rebound)
 
@@ -71,7 +87,8 @@ class Unit:
         self.is_root = index == 0
         self.rt = rt
         precision = rt.plan.precision
-        resident = not rt.plan.reshard_after_forward
+        reshard = rt.plan.reshard_after_forward
+        resident = not reshard.frees
         self.params: list[ShardedParam] = []
         for ps in spec.params:
             dtype = precision.param_dtype or ps.param.dtype
@@ -80,7 +97,8 @@ class Unit:
             if not ps.param.is_floating_point():
                 dtype = ps.param.dtype
             self.params.append(ShardedParam(ps, rt.world_size, rt.rank, rt.device, rt.shard_device, dtype,
-                                            resident, rt.frees_storage_by_resize, rt.rebound))
+                                            resident, rt.frees_storage_by_resize, rt.rebound,
+                                            reshard.post_forward_group_size))
         self.state = UnitState.GATHERED if resident else UnitState.SHARDED
         self.stamp: tuple[int, ...] | None = self.versions() if resident else None
         # True when the full copies may not match the shards: resident copies start from this rank's
@@ -88,6 +106,8 @@ class Unit:
         # also set by the optimizer's step hook and by writes behind the version counters
         self.stale = resident
         self._pending: tuple[object, list[torch.Tensor]] | None = None  # (handle, targets) while GATHERING
+        #: the shards' versions when the post-forward pieces were cut (None: no pieces held)
+        self._post_stamp: tuple[int, ...] | None = None
         self.backward = BackwardState.IDLE
         self.pending_backward_calls = 0
         self.trainable: list[ShardedParam] = []
@@ -135,22 +155,27 @@ class Unit:
         if not self.params or self.state is UnitState.GATHERING or self.is_current():
             return False
         rt = self.rt
+        from_pieces = self._post_forward_current()
+        collectives = rt.post_forward if from_pieces else rt.collectives
         targets, inputs = [], []
         with torch.no_grad():
             for sp in self.params:
-                seg = sp.layout.seg
+                lay = sp.post_layout if from_pieces else sp.layout
+                source = sp.post_forward if from_pieces else sp.padded
+                seg = lay.seg
                 if sp.gather_target is not None:
                     self._alloc(sp)
-                    target = sp.gather_target
-                    own = target[rt.rank * seg:(rt.rank + 1) * seg]
-                    own.copy_(sp.padded, non_blocking=True)
+                    target = sp.gather_target[: lay.gather_numel]
+                    own = target[lay.rank * seg:(lay.rank + 1) * seg]
+                    own.copy_(source, non_blocking=True)
                 else:  # the full copy takes the target's data once the gather is done
-                    target = torch.empty(sp.layout.gather_numel, dtype=sp.gather_dtype, device=rt.device)
-                    own = sp.padded.to(device=rt.device, dtype=sp.gather_dtype)
+                    target = torch.empty(lay.gather_numel, dtype=sp.gather_dtype, device=rt.device)
+                    own = source.to(device=rt.device, dtype=sp.gather_dtype)
                 targets.append(target)
                 inputs.append(own)
-        handle = rt.collectives.all_gather_into_tensors(targets, inputs, async_op=True,
-                                                        tag=f"all-gather of unit {self.name}")
+        what = "post-forward pieces of unit" if from_pieces else "unit"
+        handle = collectives.all_gather_into_tensors(targets, inputs, async_op=True, tag=f"all-gather of {what} {self.name}")
+        self._drop_post_forward()
         self._pending = (handle, targets)
         self.stamp = self.versions()
         self.stale = False
@@ -177,14 +202,52 @@ class Unit:
             self.start_gather()
             self.finish_gather()
 
-    def reshard(self) -> None:
-        """Free the full copies (a gather in flight is finished first: its collective must complete)."""
+    def reshard(self, keep_post_forward: bool = False) -> None:
+        """Free the full copies (a gather in flight is finished first: its collective must complete).
+
+        ``keep_post_forward`` (after a forward that a backward follows, with ``reshard_after_forward=k``):
+        keep this rank's piece of the current full copies for backward's gather within the
+        post-forward group. Otherwise any pieces held are dropped too.
+        """
         if self.state is UnitState.SHARDED:
+            if not keep_post_forward:
+                self._drop_post_forward()
             return
         self.finish_gather()
+        if keep_post_forward and self.rt.post_forward is not None and self.is_current():
+            self._keep_post_forward()
+        else:
+            self._drop_post_forward()
         for sp in self.params:
             self._free(sp)
         self.state = UnitState.SHARDED
+
+    def _keep_post_forward(self) -> None:
+        """Cut this rank's post-forward piece out of each (current) full copy, in the compute dtype."""
+        with torch.no_grad():
+            for sp in self.params:
+                lay = sp.post_layout
+                piece = torch.zeros(lay.seg, dtype=sp.gather_dtype, device=self.rt.device)
+                start = lay.start * lay.row_numel
+                piece[: lay.local_numel].copy_(sp.full.detach().reshape(-1)[start:start + lay.local_numel])
+                sp.post_forward = piece
+        self._post_stamp = self.stamp
+
+    def _drop_post_forward(self) -> None:
+        if self._post_stamp is None:
+            return
+        for sp in self.params:
+            sp.post_forward = None
+        self._post_stamp = None
+
+    def _post_forward_current(self) -> bool:
+        """Are post-forward pieces held, cut from the shards' current values?"""
+        return self._post_stamp is not None and not self.stale and self._post_stamp == self.versions()
+
+    def held_post_forward_bytes(self) -> int:
+        """Bytes of the post-forward pieces held right now."""
+        return sum(sp.post_forward.numel() * sp.post_forward.element_size()
+                   for sp in self.params if sp.post_forward is not None)
 
     def _free(self, sp: ShardedParam) -> None:
         if self.rt.frees_storage_by_resize:
@@ -234,16 +297,18 @@ class Unit:
             for dtype, sps in self.reduce_groups():
                 used = [sp.full.grad is not None for sp in sps]
                 inputs = [_reduce_input(sp.full.grad, sp.layout.gather_numel, dtype, rt.device) for sp in sps]
-                outputs = [torch.empty(sp.layout.seg, dtype=dtype, device=rt.device) for sp in sps]
+                # the reduced shards and the flags: views of one buffer (the replicas' all-reduce takes it whole)
+                sizes = [sp.layout.seg for sp in sps] + [len(sps)]
+                flat = torch.empty(sum(sizes), dtype=dtype, device=rt.device)
+                outputs = list(flat.split(sizes))
                 for sp in sps:
                     sp.full.grad = None
                 # one flag per parameter, repeated for every rank's slice: each rank receives the
                 # average over ranks of "had a gradient" (> 0: some rank used it)
                 inputs.append(used_flags(used, world, dtype, rt.device))
-                outputs.append(torch.empty(len(sps), dtype=dtype, device=rt.device))
                 handle = rt.collectives.reduce_scatter_tensors(
                     outputs, inputs, op="avg", async_op=True, tag=f"reduce-scatter of unit {self.name}")
-                groups.append(_PendingGroup(sps, handle, outputs, inputs, all(used)))
+                groups.append(_PendingGroup(sps, handle, outputs, inputs, all(used), flat))
         return PendingReduce(self, groups)
 
     def accumulate_grads(self, sps: list[ShardedParam], outs: list[torch.Tensor], used: list[bool]) -> None:
@@ -296,16 +361,31 @@ class _PendingGroup:
     outs: list[torch.Tensor]  # one reduced shard per parameter, then the flags
     inputs: list[torch.Tensor]  # kept alive until the collective is done with them
     all_used_here: bool  # every parameter had a gradient on this rank: no need to read the flags
+    flat: torch.Tensor  # the buffer ``outs`` are views of
 
 
 @dataclass
 class PendingReduce:
-    """A unit's gradient reduce in flight (one collective per reduce dtype)."""
+    """A unit's gradient reduce in flight (one reduce-scatter per reduce dtype, then, with several
+    replicas, one all-reduce of its result across them)."""
 
     unit: Unit
     groups: list[_PendingGroup]
+    inter_launched: bool = False
+
+    def launch_inter(self) -> None:
+        """Wait for the reduce-scatters and start the all-reduce across replicas (no-op without them)."""
+        replicas = self.unit.rt.replicas
+        if self.inter_launched or replicas is None:
+            return
+        self.inter_launched = True
+        for group in self.groups:
+            group.handle.wait()
+            group.handle = replicas.all_reduce(group.flat, op="avg", async_op=True,
+                                               tag=f"all-reduce across replicas of unit {self.unit.name}")
 
     def finish(self) -> None:
+        self.launch_inter()
         for group in self.groups:
             group.handle.wait()
             n = len(group.params)
