@@ -31,17 +31,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from loading_memory import status_kib  # noqa: E402
 from rank_runner import run_ranks, write_result  # noqa: E402
 
 MODES = ("ddp", "stage3", "stage3-sharded-init")
-
-
-def status_kib(field: str) -> int:
-    """A ``/proc/self/status`` memory field (VmHWM, VmRSS) in KiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status (Linux only)")
 
 
 def _worker(mode: str, d: int, blocks: int, steps: int) -> None:
