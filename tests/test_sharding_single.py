@@ -59,6 +59,22 @@ def test_hybrid_and_reshard_options_are_checked_against_the_world() -> None:
         ShardingOptions(reshard_after_forward=0)
 
 
+def test_the_plan_is_described_in_one_log_line() -> None:
+    """What the log says when a model is sharded: enough to see that hybrid sharding is on."""
+    from xshard.sharding import ShardingPlan
+
+    def describe(world: int, local: int | None = None, **options) -> str:
+        return ShardingPlan.from_options(ShardingOptions(**options), world, local).describe()
+
+    assert describe(2, stage=0) == "stage 0: replicated on 2 rank(s), gradients all-reduced"
+    assert describe(16, 8, stage="HYBRID_SHARD") == ("stage 3: parameters sharded within groups of 8 rank(s), "
+                                                    "2 replicas (hybrid); full copies freed after forward")
+    assert describe(8, stage=3, reshard_after_forward=4).endswith(
+        "freed after forward but for 1/4 on each rank (backward gathers within groups of 4)")
+    assert describe(2, stage=2) == ("stage 2: parameters sharded over all 2 rank(s); full copies kept from "
+                                    "forward to backward")
+
+
 def test_unknown_layer_class_lists_the_models_classes(backend) -> None:
     with pytest.raises(ValueError) as err:
         shard_model(make_tiny(), backend, ShardingOptions(transformer_layer_cls_to_wrap=["DecoderLayer"]))

@@ -129,6 +129,7 @@ class ShardedModel(nn.Module):
             self._engine = ReplicatedEngine(module, self.collectives, options.bucket_size_mb,
                                             precision.reduce_dtype or precision.param_dtype)
         self._num_units = len(specs)
+        log.info("%s: %d unit(s); %s", type(module).__name__, len(specs), plan.describe())
         self._layouts = self._collect_layouts()
         if init_rows is not None and plan.shard_parameters:
             fill_shards(self, init_rows)

@@ -131,6 +131,20 @@ class ShardingPlan:
         """Copies of every shard in the job (one per shard group)."""
         return self.world_size // self.shard_group_size
 
+    def describe(self) -> str:
+        """One line for the log: the stage and what it means on this job (groups, resharding, offload)."""
+        if not self.shard_parameters:
+            return f"stage {self.stage}: replicated on {self.world_size} rank(s), gradients all-reduced"
+        where = (f"sharded over all {self.world_size} rank(s)" if self.replicas == 1 else
+                 f"sharded within groups of {self.shard_group_size} rank(s), {self.replicas} replicas (hybrid)")
+        reshard = self.reshard_after_forward
+        kept = ("freed after forward" if reshard.frees and reshard.post_forward_group_size is None else
+                (f"freed after forward but for 1/{reshard.post_forward_group_size} on each rank (backward gathers "
+                 f"within groups of {reshard.post_forward_group_size})") if reshard.frees else
+                "kept from forward to backward")
+        return (f"stage {self.stage}: parameters {where}; full copies {kept}"
+                + ("; shards and optimizer state offloaded to the host" if self.offload else ""))
+
     @classmethod
     def for_stage(cls, stage: int | str) -> ShardingPlan:
         """The plan of ZeRO stage ``stage`` with every other option at its default, on one rank (for
