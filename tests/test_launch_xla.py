@@ -119,14 +119,9 @@ with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
 
 def _xla_launch(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
     """`xshard launch` as a user runs it, retried where XLA:CPU aborts a slow first rendezvous."""
-    from xla_replicas import ATTEMPTS, RENDEZVOUS_ABORT
+    from xla_replicas import run_command
 
-    for _ in range(ATTEMPTS):
-        proc = subprocess.run([sys.executable, "-m", "xshard", "launch", *args], env=env, capture_output=True,
-                              text=True, timeout=timeout, cwd=ROOT)
-        if RENDEZVOUS_ABORT not in proc.stderr:
-            return proc
-    pytest.skip(f"XLA:CPU's fixed 10 s first-collective rendezvous was exceeded in all {ATTEMPTS} attempts")
+    return run_command([sys.executable, "-m", "xshard", "launch", *args], env, timeout)
 
 
 def _xla_env(**extra: str) -> dict[str, str]:

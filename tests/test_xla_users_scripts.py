@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,7 +29,11 @@ XLA_ENV = {"XSHARD_BACKEND": "xla", "PJRT_DEVICE": "CPU"}
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: int = 600) -> str:
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
+    """``cmd`` from the repository root; on XLA:CPU a slow replica's compile can pass the runtime's fixed
+    10 s rendezvous wait, which ``run_command`` reruns (see tests/xla_replicas.py)."""
+    from xla_replicas import run_command
+
+    proc = run_command(cmd, {**os.environ, **env}, timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
