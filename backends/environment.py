@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+
+
+def _apply(values: Mapping[str, str | None]) -> None:
+    """Set each variable, or unset it where the value is None."""
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @contextlib.contextmanager
@@ -12,15 +21,7 @@ def env_override(**values: str | None) -> Iterator[None]:
     """Set or unset environment variables for the duration of a block (tests and the launcher)."""
     old = {k: os.environ.get(k) for k in values}
     try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _apply(values)
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _apply(old)
