@@ -88,8 +88,21 @@ def test_what_cannot_be_replayed_is_refused_with_the_reason() -> None:
     with sharded_init():
         model = TinyLM()
     model.to(torch.float64)  # changed after the block: not recorded
-    with pytest.raises(RuntimeError, match=r"'embed.weight' was changed after the sharded_init block"):
+    # the root unit's own parameter comes first in unit order
+    with pytest.raises(RuntimeError, match=r"'logit_scale' was changed after the sharded_init block"):
         shard_model(model, get_backend("cpu"), ShardingOptions(stage=3))
+
+
+def test_a_parameter_changed_after_the_block_is_never_rebuilt_from_another_ones_recording() -> None:
+    # model.to() swaps each Parameter's storage; a new storage may land at a freed one's address, and
+    # the recording must not answer for it with whatever parameter once lived there
+    for _ in range(10):
+        with sharded_init() as recording:
+            model = TinyLM()
+        model.to(torch.float64)
+        for p in model.parameters():
+            with pytest.raises(RuntimeError, match="outside the sharded_init block"):
+                recording.materialize(p)
 
 
 def _si(**kw):

@@ -99,7 +99,12 @@ class InitRecording:
     # ------------------------------------------------------------------ recording
     def add_parameter(self, meta: torch.Tensor, initial: torch.Tensor) -> None:
         """A parameter moved to the meta device; ``initial`` is the value it was created with."""
-        self.storages[_storage_key(meta)] = _Storage(meta, None, initial.detach())
+        # keep an alias, not the Parameter: ``model.to(...)`` after the block swaps the Parameter's
+        # ``.data``, which would free the recorded storage and let a new one reuse its address (its
+        # key), so that another parameter's recording answered for it
+        with torch.utils._python_dispatch._disable_current_modes():
+            alias = meta.detach()
+        self.storages[_storage_key(meta)] = _Storage(alias, None, initial.detach())
 
     def ref(self, t: torch.Tensor) -> _Ref:
         """The reference to meta tensor ``t`` (raises for a meta tensor made outside the block)."""
