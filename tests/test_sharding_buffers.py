@@ -4,7 +4,8 @@
   shards when dim 0 does not divide by the world size), and the values are the unsharded ones;
   at stage 2 the resident full copies keep their storage from step to step;
 - stage 0: after the first step every gradient is a view of a persistent bucket buffer (no fresh
-  bucket per step, no gradient outside the buckets), the same buffers every step.
+  bucket per step, no gradient outside the buckets, even while backward runs), the same buffers every
+  step.
 """
 
 from __future__ import annotations
@@ -37,7 +38,19 @@ def _run(rank: int, world: int) -> dict:
         sm = shard_model(model, backend, ShardingOptions(stage=stage))
         opt = torch.optim.SGD([p for p in sm.parameters() if p.requires_grad], lr=0.0)  # values stay put
         sm.register_optimizer(opt)
+        if stage == 0:  # after the engine's own hook: how many gradients live outside the buckets
+            outside = out.setdefault((0, "most_outside"), [0])
+
+            def count_outside(_p: torch.nn.Parameter, sm=sm, outside=outside) -> None:
+                buckets = set(_storages(b.flat for b in sm._engine.buckets if b.flat is not None))
+                live = [q.grad for q in sm.parameters() if q.grad is not None]
+                outside[0] = max(outside[0], sum(ptr not in buckets for ptr in _storages(live)))
+
+            for p in sm.parameters():
+                p.register_post_accumulate_grad_hook(count_outside)
         for step in range(3):
+            if stage == 0 and step == 1:
+                outside[0] = 0  # step 0 allocates the buckets: count from step 1
             ids, labels = batch(step, 8)
             loss = sm(ids[rank * per:(rank + 1) * per], labels[rank * per:(rank + 1) * per])
             if stage == 3 and step == 0:  # the root unit stays gathered until backward
@@ -78,3 +91,5 @@ def test_buffers_gathered_in_place_and_reused() -> None:
         assert res[(0, "buckets", 0)] == res[(0, "buckets", 1)] == res[(0, "buckets", 2)]
         assert res[(0, 1)] == res[(0, 2)]
         assert set(res[(0, 2)]) <= set(res[(0, "buckets", 2)])
+        # zero_grad(set_to_none=True): each new gradient moves into its bucket as it arrives
+        assert res[(0, "most_outside")] == [0]

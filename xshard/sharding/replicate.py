@@ -21,12 +21,18 @@ is a view into it (as DDP's ``gradient_as_bucket_view``): no fresh bucket-sized 
 and with ``zero_grad(set_to_none=False)`` backward accumulates straight into the bucket, so even the
 copy in is skipped. The price, as in DDP: a gradient tensor kept from one step is overwritten by the
 next step's reduce (clone it to keep it).
+
+A gradient that arrives with ``param.grad`` unset (``zero_grad()``'s default ``set_to_none=True``) is
+copied into its bucket slice as soon as autograd has accumulated it, and ``param.grad`` becomes the
+slice: one pass over the gradient, where pointing ``param.grad`` at a zeroed slice before
+accumulation costs a fill and an add (three passes). Either way at most one gradient lives outside
+the buckets at a time; later accumulations (a parameter used twice, ``no_sync`` micro-steps) add
+straight into the slice.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -97,7 +103,6 @@ class ReplicatedEngine(Engine):
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next_launch = 0
         self._param_hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
-        self._param_hooks += [p.register_hook(functools.partial(self._before_accumulate, p)) for p in params]
 
     @staticmethod
     def _bucket(index: int, params: list[nn.Parameter]) -> _Bucket:
@@ -128,23 +133,6 @@ class ReplicatedEngine(Engine):
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ hooks
-    @torch.compiler.disable
-    def _before_accumulate(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        """Point a missing ``p.grad`` at its (zeroed) slice of the bucket before autograd accumulates.
-
-        Autograd then adds the incoming gradient into the bucket and drops it, instead of keeping it as
-        ``p.grad`` until the bucket is reduced: at most one gradient lives outside the buckets at a
-        time (the peak drops by the model's gradient size under ``zero_grad(set_to_none=True)``), and
-        ``_launch`` has nothing to copy.
-        """
-        if p.grad is not None:
-            return
-        bucket = self._bucket_of[id(p)]
-        view = self._view(bucket, p)
-        if view is not None and view.dtype == grad.dtype:
-            p.grad = view.zero_()
-            bucket.views[id(p)] = view
-
     @staticmethod
     def _view(bucket: _Bucket, p: nn.Parameter) -> torch.Tensor | None:
         if bucket.flat is None or bucket.flat.dtype != p.dtype:
@@ -154,17 +142,30 @@ class ReplicatedEngine(Engine):
 
     @torch.compiler.disable
     def _on_grad(self, p: nn.Parameter) -> None:
+        bucket = self._bucket_of[id(p)]
+        self._move_into_bucket(bucket, p)
         if not self.sync:
             return
         if not self._callback_queued:
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finish_backward)
-        bucket = self._bucket_of[id(p)]
         bucket.arrived.add(id(p))
         # launch in bucket order, so that every rank issues the same all-reduces in the same order
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].full:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
+
+    def _move_into_bucket(self, bucket: _Bucket, p: nn.Parameter) -> None:
+        """Make ``p.grad`` its slice of the bucket (copying the gradient autograd just stored)."""
+        grad = p.grad
+        if grad is None or grad is bucket.views.get(id(p)):
+            return
+        view = self._view(bucket, p)
+        if view is not None and view.dtype == grad.dtype:
+            with torch.no_grad():
+                view.copy_(grad)
+            p.grad = view
+            bucket.views[id(p)] = view
 
     def _launch(self, bucket: _Bucket) -> None:
         dtype = self.reduce_dtype or bucket.params[0].dtype
