@@ -3,12 +3,14 @@
 ``run_workers(fn, world_size, *args)`` starts ``world_size`` spawned processes with torchrun's
 environment contract (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
 and returns each rank's return value, in rank order. A worker's exception fails the caller with
-that worker's traceback; a hung job fails after ``timeout`` seconds instead of hanging the suite.
+that worker's traceback; a hung job fails after ``timeout`` seconds instead of hanging the suite, with
+every worker's Python stacks from shortly before the deadline (where each one was waiting).
 ``fn`` must be a module-level function (it is pickled by reference).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import tempfile
@@ -27,7 +29,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, env: dict, args: tuple) -> None:
+#: seconds before the parent's deadline at which each worker writes its stacks
+_STACKS_AHEAD_S = 10
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, env: dict, args: tuple,
+           timeout: float) -> None:
+    stacks = open(Path(outdir) / f"rank{rank}.stacks", "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.dump_traceback_later(max(1.0, timeout - _STACKS_AHEAD_S), file=stacks)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -48,13 +57,22 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, env
             dist.destroy_process_group()
 
 
+def _stacks(outdir: str) -> str:
+    parts = []
+    for path in sorted(Path(outdir).glob("rank*.stacks")):
+        text = path.read_text().strip()
+        finished = path.with_suffix(".pt").exists()
+        parts.append(f"--- {path.stem}\n{text[-4000:] or ('(finished)' if finished else '(no stacks written)')}")
+    return "\n".join(parts)
+
+
 def run_workers(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240, env: dict[str, str] | None = None
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the results by rank."""
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
-            _entry, args=(fn, world_size, free_port(), outdir, dict(env or {}), args),
+            _entry, args=(fn, world_size, free_port(), outdir, dict(env or {}), args, timeout),
             nprocs=world_size, join=False, start_method="spawn",
         )
         import time
@@ -63,7 +81,8 @@ def run_workers(
         try:
             while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout}s")
+                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout}s; "
+                                       f"where each rank was {_STACKS_AHEAD_S}s before:\n{_stacks(outdir)}")
         except mp.ProcessRaisedException:
             pass  # the worker's own traceback is in its result file; report that below
         except mp.ProcessExitedException:
