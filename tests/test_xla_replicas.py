@@ -45,6 +45,7 @@ def _collectives(rank: int, world_size: int, numel: int, steps: int) -> dict:
         backend.mark_step()
         coll.barrier()
         compiles.append(met.metric_data("CompileTime")[0])
+    coll.barrier()  # the compile count is the process's: every replica reads its last before any goes on
     out.update(
         all_gather=gathered.cpu(), reduce_scatter_sum=mine_sum.cpu(), reduce_scatter_avg=handle.wait().cpu(),
         all_reduce_avg=t.cpu(), all_reduce_max=m.cpu(), broadcast=b.cpu(), compiles=compiles,

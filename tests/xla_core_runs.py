@@ -109,6 +109,9 @@ def train_core_on_xla(rank: int, world_size: int, stage: int, steps: int, checkp
         up_calls.append(model.module.up_calls)
         backend.collectives.barrier()
         compiles.append(met.metric_data("CompileTime")[0])
+    # The compile count is the process's (the replicas are threads of it): no replica may go on to the
+    # work below, which compiles more graphs, before every replica has read its last count.
+    backend.collectives.barrier()
     # Each replica's own shards (the full_state_dict gather is left out on purpose: it reads the
     # result on rank 0 only, and on XLA:CPU that re-runs the gather there, see the report in
     # test_xla_core_parity); ``assemble_shards`` puts them together.
