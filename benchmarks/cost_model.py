@@ -25,7 +25,7 @@ framework's own overhead; below 1, communication it hid.
 
 The projection keeps the form and swaps the machine: compute from FLOPs at an assumed MFU, the
 optimizer from HBM bandwidth, bytes from the formulas below (bf16 gathers, fp32 gradient reduction:
-xshard's mixed-precision defaults), times from assumed link speeds. It prints two bounds: serial
+xshard's mixed-precision defaults), model state from ``xshard.estimate``, times from assumed link speeds. It prints two bounds: serial
 (the fitted form: nothing hidden) and overlapped (communication hidden behind the whole compute but
 for one layer's share, the first gather and the last reduction). Every assumption is printed with it.
 """
@@ -38,6 +38,9 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from xshard.estimate import PRECISIONS, model_state_bytes  # noqa: E402
 
 GB = 1e9
 
@@ -55,8 +58,8 @@ def read_runs(paths: list[str]) -> dict[tuple[str, int, int], dict]:
     configurations record ``ranks: 1`` but run one rank's share of an N-rank job.
     """
     runs = {}
-    world = None
     for path in paths:
+        world = None
         with open(path) as f:
             for line in f:
                 header = re.search(r"(\d+) ranks on gloo", line) if line.startswith("# sharding_vs_peers") else None
@@ -165,14 +168,9 @@ def traffic_gb(stage: int, job: Job, param_bytes: int = 2, reduce_bytes: int = 4
 
 
 def state_gb(stage: int, job: Job) -> float:
-    """Model state per rank (fp32 parameters and gradients, AdamW's two moments), activations and the
-    gathered units aside."""
-    p, g = job.params, job.shard_group
-    if stage == 0:
-        return 16 * p / GB
-    if stage == 2:
-        return (4 * p + 12 * p / g) / GB
-    return 16 * p / g / GB
+    """Model state per rank under bf16 mixed precision (xshard's estimator: ZeRO's formulas), with the
+    shard group as the sharding degree; activations and the gathered units aside."""
+    return sum(model_state_bytes(job.params, job.shard_group, stage, PRECISIONS["bf16"])) / GB
 
 
 def project(stage: int, job: Job, m: Machine) -> dict:
