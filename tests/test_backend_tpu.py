@@ -122,6 +122,25 @@ def test_probe_has_no_side_effects(make_fake_tpu) -> None:
     assert dict(os.environ) == before
 
 
+def test_xshard_env_without_torch_tpu_is_one_line_naming_the_install() -> None:
+    from test_env_cli import assert_one_line_error, xshard_env
+
+    proc = xshard_env(env={"XSHARD_BACKEND": "tpu"})
+    assert_one_line_error(proc, "XSHARD_BACKEND=tpu", "torch_tpu is not installed", "pip install torch-tpu")
+
+
+def test_xshard_env_reports_the_tpu_backend(make_fake_tpu, clean_env) -> None:
+    from xshard.cli.env import gather
+
+    make_fake_tpu(chips=4)
+    clean_env.setenv("XSHARD_BACKEND", "tpu")
+    selection = select()
+    report = gather(selection, selection.cls(World()))
+    assert (report["backend"], report["dist_backend"], report["device_count"]) == ("tpu", "tpu", 4)
+    assert report["precision"] == {"fp32": True, "fp16": False, "bf16": True} and report["native_avg"] is False
+    assert report["versions"]  # no crash on a vendor without __version__
+
+
 # ---------------------------------------------------------------- the launcher
 
 

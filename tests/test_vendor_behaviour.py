@@ -16,6 +16,7 @@ The collectives are driven through the real ``DistCollectives`` each backend bui
 from __future__ import annotations
 
 import ast
+import os
 import zipfile
 
 import pytest
@@ -50,7 +51,10 @@ def _ops_named_in(wheel: WheelSources, module: str, function: str) -> set:
 def _wheel(path_fn, what: str) -> WheelSources:
     path = path_fn()
     if path is None:
-        pytest.skip(f"the {what} wheel is absent: `make vendor-wheels` downloads it")
+        why = f"the {what} wheel is absent: `make vendor-wheels` downloads it (`make test` does)"
+        if os.environ.get("XSHARD_REQUIRE_VENDOR_WHEELS") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
     return WheelSources(path)
 
 
