@@ -163,6 +163,21 @@ def test_launch_plans_one_process_per_chip_with_torch_tpu_s_launch_env(make_fake
     assert calls.runtime_started is False
 
 
+def test_xshard_launch_plans_torchrun_per_chip_for_tpu(make_fake_tpu, clean_env, tmp_path) -> None:
+    from xshard.cli.launch import LaunchOptions, plan_launch
+
+    make_fake_tpu(chips=4)
+    clean_env.setattr("xshard.backends.xla.tpu_chip_count", lambda *a: 4)
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    plan = plan_launch(LaunchOptions(script=str(script), backend="tpu"))
+    assert plan.nproc == 4 and plan.env["XSHARD_BACKEND"] == "tpu"
+    assert "TORCH_TPU_SLICEBUILDER_ADDRESSES" in plan.env and "--nproc-per-node=4" in plan.argv
+    assert "TORCH_TPU_TOPOLOGY" in plan.describe()
+    with pytest.raises(LaunchError, match="has no visible-devices variable"):
+        plan_launch(LaunchOptions(script=str(script), backend="tpu", devices="0,1"))
+
+
 def test_launch_keeps_the_user_s_launch_variables(make_fake_tpu, clean_env) -> None:
     make_fake_tpu(chips=4)
     clean_env.setenv("TORCH_TPU_TOPOLOGY", "2,2,1")
