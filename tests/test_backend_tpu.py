@@ -236,6 +236,10 @@ def _tpu_job(rank: int, world_size: int) -> dict:
     out["ops"] = list(ops)
     with backend.autocast(torch.bfloat16):
         out["autocast"] = (torch.is_autocast_enabled("tpu"), torch.get_autocast_dtype("tpu"))
+    import xshard
+
+    acc = xshard.Accelerator(config={"stage": 0})  # joins the running "tpu" group
+    out["accelerator"] = (str(acc.device), acc.num_processes, acc.state.distributed_type.value)
     backend.destroy_process_group()
     return out
 
@@ -253,3 +257,4 @@ def test_two_process_job_on_tpu_over_gloo() -> None:
         assert torch.allclose(out["all_reduce_avg"], torch.full((3,), mean_factor))
         assert out["ops"] == [str(dist.ReduceOp.SUM)] * 2  # averages are SUM then divide here
         assert out["autocast"] == (True, torch.bfloat16)
+        assert out["accelerator"] == (f"tpu:{rank}", 2, "MULTI_TPU")

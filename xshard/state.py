@@ -31,6 +31,7 @@ class DistributedType(str, Enum):
     MULTI_GPU = "MULTI_GPU"
     MULTI_NPU = "MULTI_NPU"
     MULTI_MPS = "MULTI_MPS"
+    MULTI_TPU = "MULTI_TPU"  # TorchTPU's eager tpu device (Accelerate's XLA means torch_xla, which it is not)
     XLA = "XLA"
     FSDP = "FSDP"
     DEEPSPEED = "DEEPSPEED"
