@@ -24,6 +24,11 @@ sources (tests/test_vendor_conformance.py holds them to the wheel):
 - The process group's reductions: xshard sends SUM (then divides) for averages, MAX and MIN. TorchTPU's
   own code forwards ``ReduceOp.AVG`` to it, but its lowering is C++ that only a TPU can confirm, and
   SUM is what every collective library implements (``native_avg = False``, as for gloo and XLA).
+- Eager ops run as XLA programs that TorchTPU compiles once per shape and caches (its "compilation cache
+  for XLA computations"; ``torch.compile`` on a TPU defaults to ``dynamic=False``), so a new batch width is
+  new compilations: ``compiles_graphs`` lets the data path pad batches to a few static widths, as on XLA.
+- Its tensors have storage its hooks can resize (``TpuHooksInterface::resizePrivateUse1Bytes`` in the
+  glue library), so gathered parameters are freed by resizing as on cuda and npu (the default).
 - TorchTPU ships no GradScaler; TPUs compute in bf16 natively and need no loss scaling, so fp16 is
   refused with bf16 named instead, as the xla backend does on a TPU.
 """
@@ -65,6 +70,7 @@ class TPUBackend(Backend):
 
     name = "tpu"
     device_type = "tpu"
+    compiles_graphs = True  # see the module docstring: keep batch shapes static
     dist_backend = "tpu"  # torch_tpu registers "tpu" and "tpu_dist" with the same constructor
     visible_devices_env = None  # TorchTPU binds each process to its chip; no device list to choose from
     native_avg = False  # see the module docstring: SUM then divide

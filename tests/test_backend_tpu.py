@@ -30,6 +30,7 @@ def test_identity(make_fake_tpu) -> None:
     backend = TPU(World(rank=3, world_size=8, local_rank=3, local_world_size=4))
     assert (backend.device_type, backend.dist_backend, backend.visible_devices_env) == ("tpu", "tpu", None)
     assert backend.native_avg is False  # averages are SUM then divide (see backends/tpu.py)
+    assert backend.compiles_graphs is True  # prepared loaders pad batches to static widths, as on XLA
     assert backend.supports(torch.bfloat16) and backend.supports(torch.float32)
     assert not backend.supports(torch.float16)
 

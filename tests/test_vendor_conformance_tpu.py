@@ -192,6 +192,10 @@ def test_the_tpu_backend_s_facts_are_the_release_s(tpu_wheel) -> None:
     registered = _register_backend_calls(tpu_wheel)
     assert TPU.dist_backend in registered
     assert registered["tpu"] == registered["tpu_dist"] == {"devices": ["tpu"]}
+    # ops compile per shape: the release describes a compilation cache for XLA computations, and makes
+    # torch.compile static on a TPU; so the backend keeps batch shapes static (compiles_graphs)
+    assert "Compilation cache for optimized execution of XLA computations" in tpu_wheel.dist_info("METADATA")
+    assert 'kwargs["dynamic"] = False' in tpu_wheel.source("torch_tpu._loader") and TPU.compiles_graphs
     # no GradScaler anywhere in the release: the backend hands out none for fp16 (refused, bf16 named)
     assert not any("GradScaler" in tpu_wheel.source(m) for m in _modules(tpu_wheel))
 
