@@ -2,7 +2,7 @@
 
 The same core as cuda and npu: eager tensors on the device, a c10d process group, one process per
 chip started by torchrun. Facts that shape this class, read from the torch-tpu 0.2.0 wheel's Python
-sources (tests/test_vendor_conformance.py holds them to the wheel):
+sources (tests/test_vendor_conformance_tpu.py holds them to the wheel):
 
 - ``import torch_tpu`` (or torch's auto-loading of its ``torch.backends`` entry point
   ``torch_tpu._loader:load``) renames PrivateUse1 to ``tpu``, registers ``torch.tpu`` and the
@@ -18,7 +18,7 @@ sources (tests/test_vendor_conformance.py holds them to the wheel):
   index raises): binding here means learning that index.
 - Several processes need ``torch.tpu.distributed.set_tpu_launch_env()`` in the launching process
   before any worker starts (slice-builder addresses and topology every rank must agree on); the
-  launcher (``launchers/tpu.py``) calls it, then runs torchrun.
+  launcher (``launchers/tpu.py``) puts what it sets into the plan, then runs torchrun.
 - Starting the runtime claims the chips of the process that does it, so the launcher counts chips on
   the PCI bus (``xla.tpu_chip_count``), never through the runtime.
 - The process group's reductions: xshard sends SUM (then divides) for averages, MAX and MIN. TorchTPU's
@@ -40,13 +40,16 @@ import importlib.metadata
 import sys
 import warnings
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from .base import Backend, World
 from .errors import BackendUnavailableError
 from .vendor import AUTOLOAD_ENV, import_vendor, torch_release
+
+if TYPE_CHECKING:
+    from .launchers import Launcher
 
 T = TypeVar("T")
 
@@ -177,7 +180,7 @@ class TPUBackend(Backend):
         return super().grad_scaler(enabled, **settings)
 
     # ------------------------------------------------------------------ launching
-    def launcher(self):
+    def launcher(self) -> Launcher:
         """torchrun, after TorchTPU's launch environment is set in the launching process."""
         from .launchers.tpu import TPULauncher
 
