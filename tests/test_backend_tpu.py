@@ -201,6 +201,50 @@ def test_launch_env_refusal_is_a_launch_error(make_fake_tpu, clean_env) -> None:
         TPU(World()).launcher().plan(_request(nproc=4))
 
 
+LAUNCHED = r'''
+import json, os, sys
+import torch
+import torch.distributed as dist
+from xshard.backends import get_backend
+backend = get_backend()
+backend.init_process_group(timeout=60)
+t = torch.full((2,), float(backend.world.rank + 1))
+backend.collectives.all_reduce(t, op="avg")
+record = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCH_TPU_TOPOLOGY",
+                                         "TORCH_TPU_SLICEBUILDER_ADDRESSES")}
+record.update(dist=dist.get_backend(), device=str(backend.device()), avg=t.tolist())
+with open(os.path.join(sys.argv[1], f"rank{backend.world.rank}.json"), "w") as f:
+    json.dump(record, f)
+backend.destroy_process_group()
+'''
+
+
+@pytest.mark.multiprocess
+def test_xshard_launch_starts_one_process_per_chip_on_the_tpu_group(tmp_path) -> None:
+    import json
+    import subprocess
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    script = tmp_path / "job.py"
+    script.write_text(LAUNCHED)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "TORCH_TPU_"))}
+    env.update(XSHARD_BACKEND="tpu", FAKE_TPU_CHIPS="2", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(tests / "fakes" / "tpu_vm"), str(tests.parent)]))
+    proc = subprocess.run([sys.executable, "-m", "xshard", "launch", "--nproc", "2", str(script), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, record in enumerate(records):
+        assert (record["RANK"], record["LOCAL_RANK"], record["WORLD_SIZE"]) == (str(rank), str(rank), "2")
+        assert record["dist"] == "tpu" and record["device"] == f"tpu:{rank}"
+        assert record["avg"] == [1.5, 1.5]
+    # TorchTPU's launch variables, decided once in the launcher, are the same on every rank
+    assert records[0]["TORCH_TPU_TOPOLOGY"] == records[1]["TORCH_TPU_TOPOLOGY"] == "1,2,1"
+    assert records[0]["TORCH_TPU_SLICEBUILDER_ADDRESSES"] == records[1]["TORCH_TPU_SLICEBUILDER_ADDRESSES"]
+    assert len(records[0]["TORCH_TPU_SLICEBUILDER_ADDRESSES"].split(",")) == 2
+
+
 # ---------------------------------------------------------------- real collectives over "tpu"
 
 
