@@ -52,7 +52,7 @@ def exports(tpu_wheel) -> dict[str, dict[str, object]]:
 
 def public_exports(wheel: WheelSources) -> dict[str, dict[str, object]]:
     """``torch.tpu`` and its submodules as the wheel declares them: {"torch.tpu": {name: "mod:Qual.name"
-    or ("property", target)}}. Only the table's own assignments run (constants and one formatting helper)."""
+    or ("property", target)}}. Only the table's own assignments run (constants and one formatting function)."""
     tree = wheel.tree(PUBLIC_API)
     wanted = {"_DEVICE_MODULE", "_TPU_DEVICE_CLASS", "_DISTRIBUTED_MODULE", "_DISTRIBUTED_PROPERTIES_CLASS",
               "_tpu_attr", "_PUBLIC_MODULES"}
