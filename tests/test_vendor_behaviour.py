@@ -30,6 +30,8 @@ from xshard.backends.collectives import DistCollectives
 pytest_plugins = ("fakes.fixtures",)  # fixtures: fake_npu, make_fake_tpu
 
 R = dist.ReduceOp.RedOpType
+#: read once: tests that start from a clean environment drop every XSHARD_ variable
+WHEELS_REQUIRED = os.environ.get("XSHARD_REQUIRE_VENDOR_WHEELS") == "1"
 WORLD = 4
 #: the collective kinds xshard issues with a reduce op, as the records below name them
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
@@ -52,7 +54,7 @@ def _wheel(path_fn, what: str) -> WheelSources:
     path = path_fn()
     if path is None:
         why = f"the {what} wheel is absent: `make vendor-wheels` downloads it (`make test` does)"
-        if os.environ.get("XSHARD_REQUIRE_VENDOR_WHEELS") == "1":
+        if WHEELS_REQUIRED:
             pytest.fail(why)
         pytest.skip(why)
     return WheelSources(path)

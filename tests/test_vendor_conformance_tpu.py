@@ -29,6 +29,8 @@ PUBLIC_API = "torch_tpu._internal.public_api"
 TORCH_RANGE = ((2, 11), (2, 15))
 
 pytest_plugins = ("fakes.fixtures",)  # fixtures: make_fake_tpu
+#: read once: tests that start from a clean environment drop every XSHARD_ variable
+WHEELS_REQUIRED = os.environ.get("XSHARD_REQUIRE_VENDOR_WHEELS") == "1"
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def tpu_wheel() -> WheelSources:
     if path is None:
         why = (f"the torch-tpu {TPU_RELEASE} wheel is not in {WHEELS}: `make vendor-wheels` downloads it "
                "(`make test` does)")
-        if os.environ.get("XSHARD_REQUIRE_VENDOR_WHEELS") == "1":
+        if WHEELS_REQUIRED:
             pytest.fail(why)
         pytest.skip(why)
     wheel = WheelSources(path)
