@@ -47,13 +47,17 @@ clean:
 
 # Conformance (tests/test_vendor_conformance.py): the device layer's vendor calls and the test fakes are
 # checked against the real wheel of the torch-npu release for this torch, read with ast (torch_npu cannot
-# be imported without CANN). Downloaded once (about 45 MB); the Python sources are the same in every
-# platform's wheel, so one fixed platform keeps the file name stable. The tests fail, not skip, under make
-# when the wheel is missing.
+# be imported without CANN), and of the torch-tpu release (TorchTPU; it cannot be imported without libtpu).
+# Downloaded once (about 45 MB and 96 MB); the Python sources are the same in every platform's wheel, so
+# one fixed platform keeps the file name stable. The tests fail, not skip, under make when a wheel is
+# missing.
 NPU_RELEASE   ?= 2.13.0
+TPU_RELEASE   ?= 0.2.0
 VENDOR_WHEELS := .cache/vendor-wheels
 NPU_WHEEL     := $(VENDOR_WHEELS)/.torch-npu-$(NPU_RELEASE)
-VENDOR_ENV    := XSHARD_VENDOR_WHEELS=$(VENDOR_WHEELS) XSHARD_NPU_RELEASE=$(NPU_RELEASE) XSHARD_REQUIRE_VENDOR_WHEELS=1
+TPU_WHEEL     := $(VENDOR_WHEELS)/.torch-tpu-$(TPU_RELEASE)
+VENDOR_ENV    := XSHARD_VENDOR_WHEELS=$(VENDOR_WHEELS) XSHARD_NPU_RELEASE=$(NPU_RELEASE) \
+                 XSHARD_TPU_RELEASE=$(TPU_RELEASE) XSHARD_REQUIRE_VENDOR_WHEELS=1
 
 $(NPU_WHEEL): | $(VENV)/.installed
 	mkdir -p $(VENDOR_WHEELS)
@@ -61,7 +65,13 @@ $(NPU_WHEEL): | $(VENV)/.installed
 	    --platform manylinux_2_28_x86_64 --dest $(VENDOR_WHEELS) "torch-npu==$(NPU_RELEASE)"
 	touch $@
 
-vendor-wheels: $(NPU_WHEEL)
+$(TPU_WHEEL): | $(VENV)/.installed
+	mkdir -p $(VENDOR_WHEELS)
+	$(BIN)/pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
+	    --platform manylinux_2_31_x86_64 --dest $(VENDOR_WHEELS) "torch-tpu==$(TPU_RELEASE)"
+	touch $@
+
+vendor-wheels: $(NPU_WHEEL) $(TPU_WHEEL)
 
 # XLA: real torch_xla on the CPU (PJRT_DEVICE=CPU) in its own environment (.venv-xla), because
 # torch_xla pins the torch release it was built for. Building it takes about 3 minutes and 7 GB.

@@ -1,14 +1,15 @@
 """The device layer: one Backend class per device family, and the choice among them.
 
 Selection (``select``):
-1. ``XSHARD_BACKEND`` in the environment (auto|cpu|cuda|npu|mps|xla, case-insensitive), and/or
+1. ``XSHARD_BACKEND`` in the environment (auto|cpu|cuda|npu|mps|tpu|xla, case-insensitive), and/or
    ``backend=`` in code. If both name a backend and they differ, that is an error naming both.
 2. An explicitly named backend that cannot run here is an error naming what is missing and how to
    get it; it never silently falls back to another device.
 3. ``auto`` probes in this order and takes the first that can run:
-   xla, npu, cuda, mps, cpu.
+   tpu, xla, npu, cuda, mps, cpu.
    npu comes before cuda because torch_npu's ``transfer_to_npu`` patches ``torch.cuda`` to point at
-   the NPU; xla comes first because a TPU VM may also expose other devices.
+   the NPU; tpu and xla come first because a TPU VM may also expose other devices, and tpu (TorchTPU)
+   before xla (torch_xla) because TorchTPU is where Google's TPU documentation points PyTorch users.
 
 Backends that live outside this package (see backends/README.md) are chosen by name only, never by
 ``auto``. They join the registry in one of two ways:
@@ -49,6 +50,7 @@ log = logging.getLogger("xshard.backends")
 
 #: the built-in backends: name -> "module:Class"; modules are imported only when probed or used
 _BUILTIN: dict[str, str] = {
+    "tpu": f"{__name__}.tpu:TPUBackend",
     "xla": f"{__name__}.xla:XLABackend",
     "npu": f"{__name__}.npu:NPUBackend",
     "cuda": f"{__name__}.cuda:CUDABackend",
@@ -56,7 +58,7 @@ _BUILTIN: dict[str, str] = {
     "cpu": f"{__name__}.cpu:CPUBackend",
 }
 #: the documented probe order of ``auto`` (backends registered from outside never take part)
-AUTO_ORDER: tuple[str, ...] = ("xla", "npu", "cuda", "mps", "cpu")
+AUTO_ORDER: tuple[str, ...] = ("tpu", "xla", "npu", "cuda", "mps", "cpu")
 #: ``auto`` and the built-in backends (``names()`` adds the registered ones)
 NAMES: tuple[str, ...] = ("auto", *_BUILTIN)
 #: the entry-point group through which installed packages add backends

@@ -36,7 +36,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
         return
     import importlib.metadata
 
-    from vendor_sources import NPU_RELEASE, npu_wheel_path
+    from vendor_sources import NPU_RELEASE, TPU_RELEASE, npu_wheel_path, tpu_wheel_path
 
     releases = []
     for dist in ("torch", "torch-xla"):
@@ -46,4 +46,6 @@ def pytest_terminal_summary(terminalreporter) -> None:
             pass
     wheel = npu_wheel_path()
     releases.append(f"torch-npu {NPU_RELEASE} ({wheel.name})" if wheel else f"torch-npu {NPU_RELEASE}: wheel absent")
+    wheel = tpu_wheel_path()
+    releases.append(f"torch-tpu {TPU_RELEASE} ({wheel.name})" if wheel else f"torch-tpu {TPU_RELEASE}: wheel absent")
     terminalreporter.write_line("vendor conformance checked against: " + ", ".join(releases))

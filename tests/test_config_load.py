@@ -87,7 +87,7 @@ def test_fsdp_names_and_yaml_false_spellings():
     ({"stage": 4}, r"stage: 4 is not valid; expected 0, 1, 2, 3 or one of FULL_SHARD"),
     ({"stage": "HYBRID_SHARD", "shard_group_size": "half"}, r"shard_group_size: 'half' is not valid; expected null"),
     ({"mixed_precision": "fp8"}, r"mixed_precision: 'fp8' is not valid; expected one of no, bf16, fp16"),
-    ({"backend": "tpu"}, r"backend: 'tpu' is not valid; expected one of auto, xla, npu, cuda, mps, cpu"),
+    ({"backend": "ipu"}, r"backend: 'ipu' is not valid; expected one of auto, tpu, xla, npu, cuda, mps, cpu"),
     ({"gradient_accumulation_steps": 0}, r"gradient_accumulation_steps: 0 is not valid; expected an integer >= 1"),
     ({"gradient_accumulation_steps": 2.5}, r"gradient_accumulation_steps: 2.5 is not valid"),
     ({"bucket_size_mb": 0}, r"bucket_size_mb: 0 is not valid; expected a number > 0"),

@@ -93,7 +93,7 @@ def test_a_broken_torch_npu_that_torch_autoloads_is_explained_in_one_line(tmp_pa
 
 @pytest.mark.parametrize("args,env,fragments", [
     ((), {"XSHARD_BACKEND": "gpu"}, ("XSHARD_BACKEND='gpu'", "valid values are")),
-    (("--backend", "tpu"), {}, ("backend='tpu'", "valid values are")),
+    (("--backend", "ipu"), {}, ("backend='ipu'", "valid values are")),
     (("--backend", "cuda"), {"XSHARD_BACKEND": "cpu"}, ("backend='cuda'", "XSHARD_BACKEND='cpu'")),
     ((), {"XSHARD_BACKEND": "npu", "PYTHONPATH": str(BROKEN_NPU / "cuda_torch"), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
      ("Two accelerators", "CPU build of torch")),

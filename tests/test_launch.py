@@ -170,9 +170,9 @@ def test_bad_options_are_refused_with_the_fix(worker, clean_env, opts, message):
 
 
 def test_an_unknown_backend_fails_on_the_command_line(worker, clean_env):
-    proc = subprocess.run([sys.executable, "-m", "xshard", "launch", "--backend", "tpu", str(worker)],
+    proc = subprocess.run([sys.executable, "-m", "xshard", "launch", "--backend", "ipu", str(worker)],
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "xshard launch: error: backend='tpu' is not a known backend" in proc.stderr
+    assert proc.returncode == 2 and "xshard launch: error: backend='ipu' is not a known backend" in proc.stderr
 
 
 class _FakeDevices(Backend):

@@ -1,5 +1,5 @@
 """Choosing the backend: XSHARD_BACKEND, backend=, their conflicts, and the auto order
-xla, npu, cuda, mps, cpu (npu before cuda: torch_npu's transfer_to_npu patches torch.cuda)."""
+tpu, xla, npu, cuda, mps, cpu (npu before cuda: torch_npu's transfer_to_npu patches torch.cuda)."""
 
 from __future__ import annotations
 
@@ -19,19 +19,20 @@ from xshard.backends import (
     select,
 )
 
-pytest_plugins = ("fakes.fixtures",)  # fixtures: fake_npu, make_fake_npu, no_torch_npu, no_xla
+pytest_plugins = ("fakes.fixtures",)  # fixtures: fake_npu, make_fake_npu, no_torch_npu, no_torch_tpu, no_xla
 
 
 def test_auto_order_is_the_documented_one() -> None:
-    assert AUTO_ORDER == ("xla", "npu", "cuda", "mps", "cpu")
+    assert AUTO_ORDER == ("tpu", "xla", "npu", "cuda", "mps", "cpu")
 
 
-def test_auto_on_a_plain_machine_picks_cpu_and_says_why_not_the_others(no_xla, no_torch_npu) -> None:
+def test_auto_on_a_plain_machine_picks_cpu_and_says_why_not_the_others(no_xla, no_torch_npu, no_torch_tpu) -> None:
     selection = select()
     assert selection.name == "cpu"
-    assert selection.reason == "auto: first available in the order xla, npu, cuda, mps, cpu"
+    assert selection.reason == "auto: first available in the order tpu, xla, npu, cuda, mps, cpu"
     skipped = dict(selection.skipped)
-    assert list(skipped) == ["xla", "npu", "cuda", "mps"]
+    assert list(skipped) == ["tpu", "xla", "npu", "cuda", "mps"]
+    assert "torch_tpu is not installed" in skipped["tpu"]
     assert "torch_npu is not installed" in skipped["npu"]
     assert "built without CUDA" in skipped["cuda"]
     assert "built without MPS" in skipped["mps"]
@@ -40,7 +41,7 @@ def test_auto_on_a_plain_machine_picks_cpu_and_says_why_not_the_others(no_xla, n
 def test_npu_wins_over_cuda(no_xla, fake_npu) -> None:
     fake_cuda(no_xla)  # e.g. transfer_to_npu makes torch.cuda answer too
     selection = select()
-    assert selection.name == "npu" and [n for n, _ in selection.skipped] == ["xla"]
+    assert selection.name == "npu" and [n for n, _ in selection.skipped] == ["tpu", "xla"]
 
 
 def test_cuda_wins_over_mps_and_cpu(no_xla, no_torch_npu) -> None:
@@ -117,11 +118,11 @@ def test_unknown_name_lists_the_valid_ones(clean_env, via: str) -> None:
         clean_env.setenv("XSHARD_BACKEND", "gpu")
         call, shown = (lambda: select()), "XSHARD_BACKEND='gpu'"
     else:
-        call, shown = (lambda: select("tpu")), "backend='tpu'"
+        call, shown = (lambda: select("ipu")), "backend='ipu'"
     with pytest.raises(UnknownBackendError) as err:
         call()
     assert shown in str(err.value)
-    assert "valid values are: auto, xla, npu, cuda, mps, cpu" in str(err.value)
+    assert "valid values are: auto, tpu, xla, npu, cuda, mps, cpu" in str(err.value)
 
 
 def test_explicit_backend_never_falls_back(no_torch_npu) -> None:

@@ -8,7 +8,8 @@
   torch_xla).
 - ``accepts(sig, positional, keywords)``: can a call with that many positional arguments and those
   keywords bind to ``sig``?
-- ``npu_wheel_path()``: the supported torch-npu release's wheel, where ``make vendor-wheels`` puts it.
+- ``npu_wheel_path()``, ``tpu_wheel_path()``: the supported torch-npu and torch-tpu releases' wheels, where
+  ``make vendor-wheels`` puts them.
 """
 
 from __future__ import annotations
@@ -25,11 +26,19 @@ from typing import Any
 WHEELS = Path(os.environ.get("XSHARD_VENDOR_WHEELS", Path(__file__).resolve().parent.parent / ".cache" / "vendor-wheels"))
 #: the torch-npu release for the torch xshard is tested with (the Makefile names the same one)
 NPU_RELEASE = os.environ.get("XSHARD_NPU_RELEASE", "2.13.0")
+#: the torch-tpu (TorchTPU) release the tpu backend is written against (the Makefile names the same one)
+TPU_RELEASE = os.environ.get("XSHARD_TPU_RELEASE", "0.2.0")
 
 
 def npu_wheel_path() -> Path | None:
     """The downloaded torch-npu wheel of the supported release, if it is there."""
     found = sorted(WHEELS.glob(f"torch_npu-{NPU_RELEASE}-*.whl"))
+    return found[-1] if found else None
+
+
+def tpu_wheel_path() -> Path | None:
+    """The downloaded torch-tpu wheel of the supported release, if it is there."""
+    found = sorted(WHEELS.glob(f"torch_tpu-{TPU_RELEASE}-*.whl"))
     return found[-1] if found else None
 
 

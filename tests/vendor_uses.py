@@ -4,7 +4,7 @@
 the code reaches, with the keywords it passes, as ``Use(name, keywords, where)``. Names are written
 the way the vendor module is reached at run time:
 
-- ``torch.cuda.X``, ``torch.npu.X``, ``torch.mps.X``, ``torch.backends.mps.X``, ``torch.amp.X``, ... as written;
+- ``torch.cuda.X``, ``torch.npu.X``, ``torch.tpu.X``, ``torch.accelerator.X``, ``torch.amp.X``, ... as written;
 - ``self.device_module().X`` inside a class method: once per backend class that runs that method,
   as ``torch.<device_type>.X`` (so base-class code is checked against every device module it serves);
 - ``xm.X`` / ``xla_model().X`` as ``torch_xla.core.xla_model.X``, ``xr.X`` / ``_runtime().X`` as
@@ -27,7 +27,8 @@ ALIASES = {
     "_runtime()": "torch_xla.runtime",
 }
 VENDOR_ROOTS = ("torch.cuda", "torch.npu", "torch.mps", "torch.backends.mps", "torch.backends.cuda", "torch.amp",
-                "torch.autocast", "torch.version.cuda", "torch_xla", "torch_npu")
+                "torch.autocast", "torch.version.cuda", "torch_xla", "torch_npu", "torch.tpu", "torch_tpu",
+                "torch.accelerator")
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def scan(folder: Path, backend_classes: Iterable[type]) -> list[Use]:
         """The device modules that run ``cls_name.method`` through ``self.device_module()``."""
         modules = []
         for backend in classes:
-            if backend.device_type not in ("cuda", "npu", "mps") or not method:
+            if backend.device_type not in ("cuda", "npu", "mps", "tpu") or not method:
                 continue
             static = inspect.getattr_static(backend, method, None)
             fn = getattr(static, "fget", static)

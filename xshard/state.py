@@ -8,7 +8,7 @@ when asked, so nothing can disagree with what the job does.
 ``distributed_type``: ``FSDP`` at stages 1-3 (xshard shards as FSDP does), ``DEEPSPEED`` when the
 config came from DeepSpeed (a ds_config, a DeepSpeedPlugin, an accelerate yaml with
 ``distributed_type: DEEPSPEED``), otherwise plain data parallel in Accelerate's device names
-(``MULTI_CPU``, ``MULTI_GPU``, ``MULTI_NPU``, ``XLA``) or ``NO`` for one process.
+(``MULTI_CPU``, ``MULTI_GPU``, ``MULTI_NPU``, ``XLA``; ``MULTI_TPU`` for TorchTPU) or ``NO`` for one process.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class DistributedType(str, Enum):
     MULTI_GPU = "MULTI_GPU"
     MULTI_NPU = "MULTI_NPU"
     MULTI_MPS = "MULTI_MPS"
+    MULTI_TPU = "MULTI_TPU"  # TorchTPU's eager tpu device (Accelerate's XLA means torch_xla, which it is not)
     XLA = "XLA"
     FSDP = "FSDP"
     DEEPSPEED = "DEEPSPEED"

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from .npu import NPUCalls, install_fake_torch_npu, uninstall_fake_torch_npu
+from .tpu import TPUCalls, install_fake_torch_tpu, uninstall_fake_torch_tpu
 
 
 @pytest.fixture
@@ -33,6 +34,21 @@ def fake_npu(make_fake_npu) -> NPUCalls:
 def no_torch_npu(clean_env):
     """Make sure torch_npu cannot be imported, whatever is installed."""
     clean_env.setitem(sys.modules, "torch_npu", None)
+    return clean_env
+
+
+@pytest.fixture
+def make_fake_tpu(clean_env) -> Callable[..., TPUCalls]:
+    """``make_fake_tpu(chips=.., index=.., autoload=..)`` installs a fake torch_tpu for this test only
+    (never naming the device type "tpu": that is permanent, so only spawned workers do it)."""
+    yield install_fake_torch_tpu
+    uninstall_fake_torch_tpu()
+
+
+@pytest.fixture
+def no_torch_tpu(clean_env):
+    """Make sure torch_tpu cannot be imported, whatever is installed."""
+    clean_env.setitem(sys.modules, "torch_tpu", None)
     return clean_env
 
 
