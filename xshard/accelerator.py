@@ -52,10 +52,16 @@ from .backends import Backend, select
 from .config.accelerate_args import AccelerateSettings, config_origin, read_accelerate_args
 from .data import ShardedDataLoader, shard_data_loader
 from .job import JobState
-from .log import get_logger, progress, setup_logging
+from .log import get_logger, progress, setup_logging, use_barrier
 from .prepared import PreparedOptimizer, PreparedScheduler
 from .rebind import StaleParameterGuard, rebind_optimizer
-from .state import AcceleratorState, DistributedType, GradientState
+from .state import (
+    AcceleratorState,
+    DistributedType,
+    GradientState,
+    share_with_accelerate,
+    unshare_with_accelerate,
+)
 
 log = get_logger("xshard.accelerator")
 
@@ -545,6 +551,8 @@ class Accelerator:
         #: Accelerate's ``AcceleratorState`` and ``GradientState``, read from this job (``xshard.state``)
         self.state = AcceleratorState(self, origin, ds_config)
         self.gradient_state = GradientState(job)
+        use_barrier(self.wait_for_everyone)  # in_order logging takes turns at it
+        share_with_accelerate(self)  # accelerate.logging.get_logger works beside this Accelerator
         if compat.ignored and self.is_main_process:
             warnings.warn("Accelerator: these arguments have no effect in xshard and are ignored: "
                           + "; ".join(compat.ignored), stacklevel=3)
@@ -855,8 +863,13 @@ class Accelerator:
         if not self._ended:
             self.wait_for_everyone()
             self._close_models()
-            self.backend.destroy_process_group()
-            self._ended = True
+            self._leave()
+
+    def _leave(self) -> None:
+        use_barrier(None)
+        unshare_with_accelerate()
+        self.backend.destroy_process_group()
+        self._ended = True
 
     def _close_models(self) -> None:
         self._stale_guard.remove()
@@ -873,8 +886,7 @@ class Accelerator:
             self.end()
         else:  # do not wait at a barrier for ranks that may be gone
             self._close_models()
-            self.backend.destroy_process_group()
-            self._ended = True
+            self._leave()
 
 
 def _precision_name(value: str) -> str:

@@ -9,11 +9,16 @@ when asked, so nothing can disagree with what the job does.
 config came from DeepSpeed (a ds_config, a DeepSpeedPlugin, an accelerate yaml with
 ``distributed_type: DEEPSPEED``), otherwise plain data parallel in Accelerate's device names
 (``MULTI_CPU``, ``MULTI_GPU``, ``MULTI_NPU``, ``XLA``) or ``NO`` for one process.
+
+``share_with_accelerate`` tells an imported Accelerate the same facts (see its docstring): the
+transformers ``*_no_trainer`` examples log through ``accelerate.logging.get_logger``, which asks
+Accelerate's ``PartialState`` which process it is in.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Iterator
 from enum import Enum
@@ -358,3 +363,56 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, stacklevel=4)
+
+
+#: a key of ours in Accelerate's shared process facts: they were filled from an xshard job
+_SHARED_MARK = "_filled_by_xshard"
+_ACCELERATE_FIX = ("use `from xshard.logging import get_logger` in place of `from accelerate.logging import "
+                   "get_logger` (same arguments and keywords)")
+
+
+def share_with_accelerate(accelerator: Any) -> bool:
+    """Fill Accelerate's ``PartialState`` with this job's process facts when the script imported Accelerate.
+
+    Design note: ``accelerate.logging.get_logger`` (every transformers ``*_no_trainer`` example logs
+    through it) raises "You must initialize the accelerate state" at its first line unless
+    Accelerate's ``PartialState`` holds this process's rank, world size, device and distributed
+    type. Those are facts of the job, which xshard knows, so the logger is made to work rather than
+    asking the user to edit every script: the fields Accelerate itself lists (``_known_attrs``) are
+    filled, in place, in its shared dict; ``PartialState()`` and ``wait_for_everyone`` (used by
+    ``in_order``) then answer for this job over the process group xshard started. Nothing is done
+    when Accelerate is not imported (``import xshard`` never imports it), or when a real Accelerate
+    state already exists. An Accelerate whose state is laid out otherwise gets a warning naming the
+    one-line fix instead. Returns True when the facts were filled.
+    """
+    module = sys.modules.get("accelerate.state")
+    if module is None:
+        return False
+    shared = getattr(getattr(module, "PartialState", None), "_shared_state", None)
+    accelerate_types = getattr(module, "DistributedType", None)
+    if not isinstance(shared, dict) or accelerate_types is None:
+        _warn_once("accelerate.state is laid out differently from the Accelerate versions xshard knows, so "
+                   "accelerate.logging.get_logger will not find this job's processes: " + _ACCELERATE_FIX)
+        return False
+    if shared and not shared.get(_SHARED_MARK):
+        return False  # Accelerate's own state, built by the script: leave it alone
+    ours = accelerator.state.distributed_type
+    distributed_type = getattr(accelerate_types, ours.value, None) or (
+        accelerate_types.NO if accelerator.world_size == 1 else accelerate_types.MULTI_CPU)
+    shared.clear()
+    shared.update({
+        "_cpu": accelerator.device.type == "cpu", "_mixed_precision": accelerator.mixed_precision,
+        "backend": accelerator.backend.dist_backend, "debug": False, "device": accelerator.device,
+        "distributed_type": distributed_type, "fork_launched": False,
+        "local_process_index": accelerator.local_rank, "num_processes": accelerator.world_size,
+        "process_index": accelerator.rank, _SHARED_MARK: True,
+    })
+    return True
+
+
+def unshare_with_accelerate() -> None:
+    """Empty Accelerate's ``PartialState`` again if ``share_with_accelerate`` filled it (the job ended)."""
+    module = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(module, "PartialState", None), "_shared_state", None)
+    if isinstance(shared, dict) and shared.get(_SHARED_MARK):
+        shared.clear()
