@@ -635,6 +635,14 @@ class Accelerator:
         with context() if context is not None and self.world_size > 1 else contextlib.nullcontext():
             yield
 
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model: torch.nn.Module) -> Iterator[None]:
+        """Backward passes in the block reduce gradients over processes, even of forwards run inside
+        ``no_sync`` (several forwards accumulated locally, the last backward synchronises)."""
+        context = getattr(model, "trigger_sync_in_backward", None)
+        with context() if context is not None else contextlib.nullcontext():
+            yield
+
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Divide fp16 gradients by the loss scale (once per step; clipping does it itself)."""
         self.job.unscale_gradients()

@@ -294,6 +294,10 @@ class AcceleratorState:
     def wait_for_everyone(self) -> None:
         self._acc.wait_for_everyone()
 
+    def destroy_process_group(self, group: Any = None) -> None:
+        """Leave the process group at the end of the script (the Accelerator's ``end``)."""
+        self._acc.end()
+
     def __repr__(self) -> str:
         return (f"Distributed environment: {self.distributed_type.value}\nNum processes: {self.num_processes}\n"
                 f"Process index: {self.process_index}\nLocal process index: {self.local_process_index}\n"
