@@ -294,6 +294,11 @@ class AcceleratorState:
     def wait_for_everyone(self) -> None:
         self._acc.wait_for_everyone()
 
+    @staticmethod
+    def _reset_state(reset_partial_state: bool = False) -> None:
+        """Accelerate's reset before building another Accelerator: nothing to do here, every answer is
+        read from the Accelerator that owns this view."""
+
     def destroy_process_group(self, group: Any = None) -> None:
         """Leave the process group at the end of the script (the Accelerator's ``end``)."""
         self._acc.end()
@@ -376,47 +381,56 @@ _ACCELERATE_FIX = ("use `from xshard.logging import get_logger` in place of `fro
 
 
 def share_with_accelerate(accelerator: Any) -> bool:
-    """Fill Accelerate's ``PartialState`` with this job's process facts when the script imported Accelerate.
+    """Fill Accelerate's ``PartialState`` and ``AcceleratorState`` with this job's facts when the script
+    imported Accelerate.
 
     Design note: ``accelerate.logging.get_logger`` (every transformers ``*_no_trainer`` example logs
     through it) raises "You must initialize the accelerate state" at its first line unless
     Accelerate's ``PartialState`` holds this process's rank, world size, device and distributed
-    type. Those are facts of the job, which xshard knows, so the logger is made to work rather than
-    asking the user to edit every script: the fields Accelerate itself lists (``_known_attrs``) are
-    filled, in place, in its shared dict; ``PartialState()`` and ``wait_for_everyone`` (used by
-    ``in_order``) then answer for this job over the process group xshard started. Nothing is done
-    when Accelerate is not imported (``import xshard`` never imports it), or when a real Accelerate
-    state already exists. An Accelerate whose state is laid out otherwise gets a warning naming the
-    one-line fix instead. Returns True when the facts were filled.
+    type, and Accelerate's helpers read ``AcceleratorState()``. Those are facts of the job, which
+    xshard knows, so Accelerate's objects are made to answer for it rather than asking the user to
+    edit every script: the fields Accelerate itself lists (``_known_attrs``) are filled, in place,
+    in its shared dicts; ``PartialState().wait_for_everyone`` (``in_order`` logging) then runs over
+    the process group xshard started. Nothing is done when Accelerate is not imported
+    (``import xshard`` never imports it), or when a real Accelerate state already exists. An
+    Accelerate whose state is laid out otherwise gets a warning naming the one-line fix instead.
+    Returns True when the facts were filled.
     """
     module = sys.modules.get("accelerate.state")
     if module is None:
         return False
-    shared = getattr(getattr(module, "PartialState", None), "_shared_state", None)
+    partial = getattr(getattr(module, "PartialState", None), "_shared_state", None)
+    full = getattr(getattr(module, "AcceleratorState", None), "_shared_state", None)
     accelerate_types = getattr(module, "DistributedType", None)
-    if not isinstance(shared, dict) or accelerate_types is None:
+    if not isinstance(partial, dict) or not isinstance(full, dict) or accelerate_types is None:
         _warn_once("accelerate.state is laid out differently from the Accelerate versions xshard knows, so "
                    "accelerate.logging.get_logger will not find this job's processes: " + _ACCELERATE_FIX)
         return False
-    if shared and not shared.get(_SHARED_MARK):
+    if partial and not partial.get(_SHARED_MARK):
         return False  # Accelerate's own state, built by the script: leave it alone
     ours = accelerator.state.distributed_type
     distributed_type = getattr(accelerate_types, ours.value, None) or (
         accelerate_types.NO if accelerator.world_size == 1 else accelerate_types.MULTI_CPU)
-    shared.clear()
-    shared.update({
+    facts = {
         "_cpu": accelerator.device.type == "cpu", "_mixed_precision": accelerator.mixed_precision,
         "backend": accelerator.backend.dist_backend, "debug": False, "device": accelerator.device,
         "distributed_type": distributed_type, "fork_launched": False,
         "local_process_index": accelerator.local_rank, "num_processes": accelerator.world_size,
         "process_index": accelerator.rank, _SHARED_MARK: True,
-    })
+    }
+    partial.clear()
+    partial.update(facts)
+    full.clear()
+    full.update(facts, fsdp_plugin=accelerator.state.fsdp_plugin, deepspeed_plugin=accelerator.state.deepspeed_plugin,
+                deepspeed_plugins=None, megatron_lm_plugin=None, dynamo_plugin=None, torch_tp_plugin=None,
+                parallelism_config=None, device_mesh=None)
     return True
 
 
 def unshare_with_accelerate() -> None:
-    """Empty Accelerate's ``PartialState`` again if ``share_with_accelerate`` filled it (the job ended)."""
+    """Empty Accelerate's state objects again if ``share_with_accelerate`` filled them (the job ended)."""
     module = sys.modules.get("accelerate.state")
-    shared = getattr(getattr(module, "PartialState", None), "_shared_state", None)
-    if isinstance(shared, dict) and shared.get(_SHARED_MARK):
-        shared.clear()
+    for name in ("AcceleratorState", "PartialState"):
+        shared = getattr(getattr(module, name, None), "_shared_state", None)
+        if isinstance(shared, dict) and shared.get(_SHARED_MARK):
+            shared.clear()
