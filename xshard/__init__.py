@@ -79,9 +79,11 @@ def __getattr__(name: str):
         from .data import skip_first_batches
 
         return skip_first_batches
-    way = _ACCELERATE_ONLY.get(name)
-    if way is not None:
-        raise AttributeError(f"module 'xshard' has no attribute {name!r} (Accelerate's `accelerate.{name}`): {way}")
+    from .missing import MODULE_NAMES
+
+    if name in MODULE_NAMES:
+        raise AttributeError(f"module 'xshard' has no attribute {name!r} (Accelerate's `accelerate.{name}`): "
+                             f"{MODULE_NAMES[name]}")
     raise AttributeError(f"module 'xshard' has no attribute {name!r}")
 
 
@@ -89,22 +91,5 @@ def __getattr__(name: str):
 _FROM_UTILS = ("AutocastKwargs", "DataLoaderConfiguration", "DeepSpeedPlugin", "DistributedDataParallelKwargs",
                "DistributedType", "FullyShardedDataParallelPlugin", "GradScalerKwargs", "InitProcessGroupKwargs",
                "ProjectConfiguration", "set_seed")
-#: Accelerate's top-level names with no xshard counterpart, and what to use instead
-_ACCELERATE_ONLY = {
-    "PartialState": "build the Accelerator first and read its process facts (accelerator.process_index, "
-                    "num_processes, is_main_process, main_process_first(), split_between_processes())",
-    "AcceleratorState": "read accelerator.state",
-    "init_empty_weights": "build the model under `with accelerator.sharded_init():` (each rank keeps its shard)",
-    "notebook_launcher": "start the processes with `xshard launch --nproc N script.py`",
-    "debug_launcher": "start the processes with `xshard launch --nproc N script.py` (the cpu backend)",
-    "find_executable_batch_size": "xshard has no batch-size search; `xshard estimate` gives the memory per rank",
-    "load_checkpoint_and_dispatch": "xshard trains sharded models; load the weights with from_pretrained, then "
-                                    "accelerator.prepare(model)",
-    "dispatch_model": "accelerator.prepare(model) places and shards the model",
-    "cpu_offload": "set offload_params / offload_optimizer in the config",
-    "disk_offload": "set offload_params / offload_optimizer in the config (CPU offload; no disk offload)",
-}
-
-
 __all__ = ["Accelerator", "XShardConfig", "__version__", "get_logger", "progress", "skip_first_batches", "tqdm",
            *_FROM_UTILS]
