@@ -156,8 +156,10 @@ class MultiProcessAdapter(logging.LoggerAdapter):
             if plan.is_log_main:
                 self.logger.log(level, msg, *args, **kwargs)
             return
-        # every process, at the main process's level (replicas' own level would hide the line)
-        wanted = level >= min(plan.main_level, self.logger.getEffectiveLevel())
+        # every process, at the main process's level (replicas' own level would hide the line), unless
+        # this logger was given another level (get_logger(name, log_level=...), setLevel)
+        own = self.logger.getEffectiveLevel()
+        wanted = level >= (plan.main_level if own == plan.level else own)
         if not in_order:
             if wanted:
                 self._emit(level, msg, args, kwargs)
