@@ -294,6 +294,46 @@ class AcceleratorState:
     def wait_for_everyone(self) -> None:
         self._acc.wait_for_everyone()
 
+    @property
+    def is_fsdp2(self) -> bool:
+        """True at stages 1-3 (sharded in FSDP2's way: per-parameter dim-0 shards)."""
+        return self.distributed_type == DistributedType.FSDP
+
+    @property
+    def initialized(self) -> bool:
+        """Always True: the view exists once the Accelerator does."""
+        return True
+
+    @property
+    def fork_launched(self) -> bool:
+        """Always False: processes are started by ``xshard launch`` / torchrun, not forked from a notebook."""
+        return False
+
+    @property
+    def debug(self) -> bool:
+        """Always False (Accelerate's ``ACCELERATE_DEBUG_MODE`` has no xshard counterpart)."""
+        return False
+
+    @property
+    def dynamo_plugin(self) -> None:
+        """None: xshard compiles nothing itself (compile the model with ``torch.compile`` before ``prepare``)."""
+        return None
+
+    @property
+    def megatron_lm_plugin(self) -> None:
+        """None: no tensor or pipeline parallelism."""
+        return None
+
+    @property
+    def torch_tp_plugin(self) -> None:
+        """None: no tensor parallelism."""
+        return None
+
+    @property
+    def parallelism_config(self) -> None:
+        """None: data parallelism (sharded or not) only."""
+        return None
+
     @staticmethod
     def _reset_state(reset_partial_state: bool = False) -> None:
         """Accelerate's reset before building another Accelerator: nothing to do here, every answer is
