@@ -152,13 +152,16 @@ def _metrics_worker(rank, world_size):
                                              split_batches=True)}, False, 8)):
         acc = xshard.Accelerator(stage=0, seed=0, **kwargs)
         loader = acc.prepare(DataLoader(ids, batch_size=batch, shuffle=shuffle))
-        plain, metric, objects, scalars = [], [], [], []
+        plain, metric, objects, scalars, repeated = [], [], [], [], []
         for (x,) in loader:
             plain.append(acc.gather(x))
             metric.append(acc.gather_for_metrics(x))
             objects += acc.gather_for_metrics([f"s{int(v)}" for v in x])
             scalars.append(acc.gather_for_metrics(x.float().mean()))
+            # the transformers examples' evaluation pattern: a per-rank mean repeated batch_size times
+            repeated.append(acc.gather_for_metrics(x.float().mean().repeat(batch)))
         out[name] = (torch.cat(plain).tolist(), torch.cat(metric).tolist(), objects, scalars[-1].numel())
+        out[name + "_repeated"] = torch.cat(repeated).tolist()
     mine = torch.arange(rank + 1) + 1
     out["pad"] = (acc.pad_across_processes(mine).tolist(), acc.pad_across_processes(mine, pad_first=True).tolist())
     acc.end()
@@ -177,6 +180,11 @@ def test_gather_for_metrics_returns_every_sample_once():
         # in the data set's order (rank 0 holds samples 0, 2, 4 ..., rank 1 holds 1, 3, 5 ...)
         assert out["ordered"][1] == list(range(37)) and out["split"][1] == list(range(37))
         assert out["ordered"][2] == [f"s{i}" for i in range(37)]
+        # loss.repeat(batch_size): each rank's mean kept once per real sample behind it (Accelerate's cut),
+        # the last batch (ranks hold 32, 34, 36 and 33, 35 + the repeated 0) gives 3 + 2 values, not 8
+        repeated = out["ordered_repeated"]
+        assert len(repeated) == 37
+        assert sum(repeated) == pytest.approx(sum(range(32)) + 3 * (32 + 34 + 36) / 3 + 2 * (33 + 35 + 0) / 3)
     assert results[0]["pad"] == ([1, 0], [0, 1]) and results[1]["pad"] == ([1, 2], [1, 2])
 
 

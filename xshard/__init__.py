@@ -71,7 +71,25 @@ def __getattr__(name: str):
         from . import log
 
         return getattr(log, name)
+    if name in _FROM_UTILS:
+        from . import utils
+
+        return getattr(utils, name)
+    if name == "skip_first_batches":
+        from .data import skip_first_batches
+
+        return skip_first_batches
+    from .missing import MODULE_NAMES
+
+    if name in MODULE_NAMES:
+        raise AttributeError(f"module 'xshard' has no attribute {name!r} (Accelerate's `accelerate.{name}`): "
+                             f"{MODULE_NAMES[name]}")
     raise AttributeError(f"module 'xshard' has no attribute {name!r}")
 
 
-__all__ = ["Accelerator", "XShardConfig", "__version__", "get_logger", "progress", "tqdm"]
+#: names ``from accelerate import ...`` gives that xshard.utils holds with Accelerate's meaning
+_FROM_UTILS = ("AutocastKwargs", "DataLoaderConfiguration", "DeepSpeedPlugin", "DistributedDataParallelKwargs",
+               "DistributedType", "FullyShardedDataParallelPlugin", "GradScalerKwargs", "InitProcessGroupKwargs",
+               "ProjectConfiguration", "set_seed")
+__all__ = ["Accelerator", "XShardConfig", "__version__", "get_logger", "progress", "skip_first_batches", "tqdm",
+           *_FROM_UTILS]

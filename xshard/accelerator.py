@@ -39,7 +39,9 @@ import datetime
 import functools
 import os
 import random
+import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -52,10 +54,16 @@ from .backends import Backend, select
 from .config.accelerate_args import AccelerateSettings, config_origin, read_accelerate_args
 from .data import ShardedDataLoader, shard_data_loader
 from .job import JobState
-from .log import get_logger, progress, setup_logging
+from .log import get_logger, progress, setup_logging, use_barrier
 from .prepared import PreparedOptimizer, PreparedScheduler
 from .rebind import StaleParameterGuard, rebind_optimizer
-from .state import AcceleratorState, DistributedType, GradientState
+from .state import (
+    AcceleratorState,
+    DistributedType,
+    GradientState,
+    share_with_accelerate,
+    unshare_with_accelerate,
+)
 
 log = get_logger("xshard.accelerator")
 
@@ -145,6 +153,8 @@ class Accelerator:
         )
         self._use_precision(self.config.mixed_precision)  # validated by the config: no, bf16 or fp16
         self._ended = False
+        self._token = uuid.uuid4().hex
+        _LIVE[self._token] = self
         self._stale_guard = StaleParameterGuard()
         self._setup_accelerate(compat, origin, ds_config)
 
@@ -545,6 +555,8 @@ class Accelerator:
         #: Accelerate's ``AcceleratorState`` and ``GradientState``, read from this job (``xshard.state``)
         self.state = AcceleratorState(self, origin, ds_config)
         self.gradient_state = GradientState(job)
+        use_barrier(self.wait_for_everyone)  # in_order logging takes turns at it
+        share_with_accelerate(self)  # accelerate.logging.get_logger works beside this Accelerator
         if compat.ignored and self.is_main_process:
             warnings.warn("Accelerator: these arguments have no effect in xshard and are ignored: "
                           + "; ".join(compat.ignored), stacklevel=3)
@@ -600,6 +612,79 @@ class Accelerator:
         return True
 
     @property
+    def dataloader_config(self) -> Any:
+        """How ``prepare`` splits data loaders, as Accelerate's ``DataLoaderConfiguration``: every rank
+        reads its own evened samples (``even_batches``), shuffled from one seed (``use_seedable_sampler``),
+        with a position that ``save_state`` keeps (``use_stateful_dataloader``)."""
+        from .utils import DataLoaderConfiguration
+
+        return DataLoaderConfiguration(split_batches=self.split_batches, dispatch_batches=False, even_batches=True,
+                                       use_seedable_sampler=True, data_seed=self._data_seed,
+                                       non_blocking=bool(self._non_blocking), use_stateful_dataloader=True)
+
+    @property
+    def non_blocking(self) -> bool:
+        """Batches are copied to the device without waiting (``DataLoaderConfiguration.non_blocking``)."""
+        return bool(self._non_blocking)
+
+    @property
+    def dispatch_batches(self) -> bool:
+        """Always False: every rank reads its own samples (no batch is dispatched from rank 0)."""
+        return False
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        """Always True: shuffles come from one seed, the same order on every rank."""
+        return True
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        """Always True: prepared loaders have ``state_dict()`` and their position is checkpointed."""
+        return True
+
+    @property
+    def step_scheduler_with_optimizer(self) -> bool:
+        """The prepared scheduler steps with the optimizer (Accelerate's rule), else on every call."""
+        return self.job.step_scheduler_with_optimizer
+
+    @property
+    def device_placement(self) -> bool:
+        """Always True: prepared loaders put batches on the device."""
+        return True
+
+    @property
+    def native_amp(self) -> bool:
+        """True when the job computes in bf16 or fp16."""
+        return self.compute_dtype is not None
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        """``state.deepspeed_plugin`` (None unless the config came from DeepSpeed)."""
+        return self.state.deepspeed_plugin
+
+    @property
+    def is_fsdp2(self) -> bool:
+        """True when parameters are sharded (stages 1-3 answer in FSDP2's terms, ``state.fsdp_plugin``)."""
+        return self.distributed_type == DistributedType.FSDP
+
+    @property
+    def multi_device(self) -> bool:
+        """True when the job has more than one process."""
+        return self.world_size > 1
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
+        """Accelerate's context for ranks whose loaders yield different numbers of batches. Prepared
+        loaders always give every rank the same number of batches (the last one evened out by repeats
+        that ``gather_for_metrics`` drops), so no rank waits for a collective the others never reach,
+        and the block runs as is. ``even_batches=False`` cannot be honoured and is warned."""
+        if even_batches is False and self.is_main_process:
+            warnings.warn("join_uneven_inputs(even_batches=False): xshard's prepared loaders always even the last "
+                          "batch (gather_for_metrics drops the repeats); the block runs with even batches",
+                          stacklevel=3)
+        yield
+
+    @property
     def project_dir(self) -> str | None:
         """The project folder (``project_dir`` / ``project_config``)."""
         return getattr(self.project_configuration, "project_dir", None)
@@ -625,6 +710,14 @@ class Accelerator:
         first backward after it reduces everything accumulated (as DDP's ``no_sync``)."""
         context = getattr(model, "no_sync", None)
         with context() if context is not None and self.world_size > 1 else contextlib.nullcontext():
+            yield
+
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model: torch.nn.Module) -> Iterator[None]:
+        """Backward passes in the block reduce gradients over processes, even of forwards run inside
+        ``no_sync`` (several forwards accumulated locally, the last backward synchronises)."""
+        context = getattr(model, "trigger_sync_in_backward", None)
+        with context() if context is not None else contextlib.nullcontext():
             yield
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
@@ -855,8 +948,13 @@ class Accelerator:
         if not self._ended:
             self.wait_for_everyone()
             self._close_models()
-            self.backend.destroy_process_group()
-            self._ended = True
+            self._leave()
+
+    def _leave(self) -> None:
+        use_barrier(None)
+        unshare_with_accelerate()
+        self.backend.destroy_process_group()
+        self._ended = True
 
     def _close_models(self) -> None:
         self._stale_guard.remove()
@@ -864,6 +962,19 @@ class Accelerator:
             close = getattr(model, "close", None)
             if close is not None:
                 close()
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names that are not found: Accelerate's members xshard lacks get xshard's way
+        from .missing import ACCELERATOR_MEMBERS, missing_member
+
+        raise missing_member("Accelerator", name, ACCELERATOR_MEMBERS)
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        """Pickled as a reference to this process's Accelerator: ``copy.deepcopy`` and the pickling
+        that ``datasets.map`` does to hash a function get this same object back. An Accelerator holds
+        the process group and the prepared models, so it cannot be rebuilt in another process: there,
+        unpickling raises an error saying what to pass instead."""
+        return _accelerator_of_this_process, (self._token,)
 
     def __enter__(self) -> Accelerator:
         return self
@@ -873,8 +984,22 @@ class Accelerator:
             self.end()
         else:  # do not wait at a barrier for ranks that may be gone
             self._close_models()
-            self.backend.destroy_process_group()
-            self._ended = True
+            self._leave()
+
+
+#: this process's Accelerators by pickling token (weak: a dropped Accelerator is forgotten)
+_LIVE: weakref.WeakValueDictionary[str, Accelerator] = weakref.WeakValueDictionary()
+
+
+def _accelerator_of_this_process(token: str) -> Accelerator:
+    """Unpickle an Accelerator: the live one of this process that was pickled."""
+    found = _LIVE.get(token)
+    if found is None:
+        raise RuntimeError("an Accelerator was unpickled in another process (a DataLoader worker, a spawned "
+                           "process): it holds the process group and the prepared models and cannot move; pass "
+                           "the values the code needs (accelerator.process_index, num_processes, device ...) "
+                           "instead of the Accelerator")
+    return found
 
 
 def _precision_name(value: str) -> str:

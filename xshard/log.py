@@ -10,6 +10,12 @@
   process for logging, for jobs where each node's log is collected separately;
 - lines of a multi-process job carry a ``[rank R/W]`` prefix.
 
+``get_logger(name)`` (also ``xshard.get_logger`` and ``xshard.logging.get_logger``) takes
+Accelerate's keywords on every call: ``main_process_only=True`` logs on the main process only,
+``main_process_only=False`` on every process at the main process's level, ``in_order=True`` on
+every process one after the other in rank order. Without them the per-process levels above apply
+(replicas show warnings), where Accelerate's logger would log on the main process only.
+
 ``progress(iterable)`` (also ``xshard.tqdm``) is a tqdm bar shown by the main process only.
 """
 
@@ -18,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +43,17 @@ class LogPlan:
     level: int
     is_log_main: bool
     prefix: str
+    #: the main process's level: what ``main_process_only=False`` and ``in_order`` log at everywhere
+    main_level: int = logging.INFO
+    rank: int = 0
+    world_size: int = 1
 
 
 _current = LogPlan(level=logging.INFO, is_log_main=True, prefix="")
+#: every process waits here in ``in_order`` logging (the Accelerator installs its barrier)
+_barrier: Callable[[], None] | None = None
+#: levels given to ``get_logger(name, log_level=...)``, kept over later ``setup_logging`` calls
+_explicit_levels: dict[str, int] = {}
 
 
 def parse_level(value: str | int, source: str) -> int:
@@ -79,18 +93,20 @@ def plan_logging(
         raw = env.get("XSHARD_LOG_ON_EACH_NODE")
         log_on_each_node = parse_bool(raw, "XSHARD_LOG_ON_EACH_NODE") if raw is not None else False
     is_log_main = (local_rank == 0) if log_on_each_node else (rank == 0)
+    chosen = level if level is not None else env.get("XSHARD_LOG_LEVEL", "INFO")
+    main_level = parse_level(chosen, "XSHARD_LOG_LEVEL" if level is None else "level")
     if is_log_main:
-        chosen = level if level is not None else env.get("XSHARD_LOG_LEVEL", "INFO")
-        numeric = parse_level(chosen, "XSHARD_LOG_LEVEL" if level is None else "level")
+        numeric = main_level
     else:
         chosen = replica_level if replica_level is not None else env.get("XSHARD_LOG_LEVEL_REPLICA", "WARNING")
         numeric = parse_level(chosen, "XSHARD_LOG_LEVEL_REPLICA" if replica_level is None else "replica_level")
     prefix = f"[rank {rank}/{world_size}] " if world_size > 1 else ""
-    return LogPlan(level=numeric, is_log_main=is_log_main, prefix=prefix)
+    return LogPlan(level=numeric, is_log_main=is_log_main, prefix=prefix, main_level=main_level, rank=rank,
+                   world_size=world_size)
 
 
 def _apply(logger: logging.Logger, plan: LogPlan) -> None:
-    logger.setLevel(plan.level)
+    logger.setLevel(_explicit_levels.get(logger.name, plan.level))
     handler = next((h for h in logger.handlers if getattr(h, _HANDLER_MARK, False)), None)
     if handler is None:
         handler = logging.StreamHandler(sys.stderr)
@@ -118,14 +134,101 @@ def setup_logging(
     return _current
 
 
-def get_logger(name: str) -> logging.Logger:
-    """A logger that follows xshard's per-process levels and rank prefix (call it from user code too)."""
+def use_barrier(barrier: Callable[[], None] | None) -> None:
+    """The barrier ``in_order`` logging waits at (set by the Accelerator; None: no waiting)."""
+    global _barrier
+    _barrier = barrier
+
+
+class MultiProcessAdapter(logging.LoggerAdapter):
+    """A logger for multi-process jobs that takes Accelerate's ``main_process_only`` and ``in_order``
+    keywords on every call (see the module docstring); otherwise a ``logging.Logger``'s methods."""
+
+    def log(self, level: int, msg: object, *args: Any, main_process_only: bool | None = None,
+            in_order: bool = False, **kwargs: Any) -> None:
+        """Log ``msg``: on this process's level (default), the main process only, or every process."""
+        kwargs.setdefault("stacklevel", 2)
+        plan = _current
+        if not in_order and main_process_only is None:
+            self.logger.log(level, msg, *args, **kwargs)
+            return
+        if not in_order and main_process_only:
+            if plan.is_log_main:
+                self.logger.log(level, msg, *args, **kwargs)
+            return
+        # every process, at the main process's level (replicas' own level would hide the line), unless
+        # this logger was given another level (get_logger(name, log_level=...), setLevel)
+        own = self.logger.getEffectiveLevel()
+        wanted = level >= (plan.main_level if own == plan.level else own)
+        if not in_order:
+            if wanted:
+                self._emit(level, msg, args, kwargs)
+            return
+        for turn in range(plan.world_size):
+            if turn == plan.rank and wanted:
+                self._emit(level, msg, args, kwargs)
+            if _barrier is not None and plan.world_size > 1:
+                _barrier()
+
+    def _emit(self, level: int, msg: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        kwargs["stacklevel"] = kwargs.get("stacklevel", 2) + 1
+        self.logger._log(level, msg, args, **kwargs)  # past the level check, which is this process's
+
+    # LoggerAdapter's own methods would reach log() too; these name the caller's line (stacklevel).
+    def debug(self, msg: object, *args: Any, **kwargs: Any) -> None:
+        """``log(DEBUG, ...)``."""
+        kwargs.setdefault("stacklevel", 3)
+        self.log(logging.DEBUG, msg, *args, **kwargs)
+
+    def info(self, msg: object, *args: Any, **kwargs: Any) -> None:
+        """``log(INFO, ...)``."""
+        kwargs.setdefault("stacklevel", 3)
+        self.log(logging.INFO, msg, *args, **kwargs)
+
+    def warning(self, msg: object, *args: Any, **kwargs: Any) -> None:
+        """``log(WARNING, ...)``."""
+        kwargs.setdefault("stacklevel", 3)
+        self.log(logging.WARNING, msg, *args, **kwargs)
+
+    def error(self, msg: object, *args: Any, **kwargs: Any) -> None:
+        """``log(ERROR, ...)``."""
+        kwargs.setdefault("stacklevel", 3)
+        self.log(logging.ERROR, msg, *args, **kwargs)
+
+    def critical(self, msg: object, *args: Any, **kwargs: Any) -> None:
+        """``log(CRITICAL, ...)``."""
+        kwargs.setdefault("stacklevel", 3)
+        self.log(logging.CRITICAL, msg, *args, **kwargs)
+
+    def exception(self, msg: object, *args: Any, exc_info: Any = True, **kwargs: Any) -> None:
+        """``log(ERROR, ...)`` with the exception being handled."""
+        kwargs.setdefault("stacklevel", 3)
+        self.log(logging.ERROR, msg, *args, exc_info=exc_info, **kwargs)
+
+    _warned: set[str] = set()
+
+    def warning_once(self, msg: str, *args: Any, **kwargs: Any) -> None:
+        """``warning`` the first time this message (with these arguments) is given, then never again."""
+        key = repr((self.logger.name, msg, args, sorted(kwargs.items())))
+        if key not in self._warned:
+            self._warned.add(key)
+            self.log(logging.WARNING, msg, *args, **kwargs)
+
+
+def get_logger(name: str, log_level: str | int | None = None) -> MultiProcessAdapter:
+    """A logger that follows xshard's per-process levels and rank prefix and takes Accelerate's
+    ``main_process_only`` / ``in_order`` keywords (Accelerate's ``get_logger``; call it from user code).
+
+    ``log_level`` sets this logger's level on every process (as Accelerate's argument does).
+    """
     logger = logging.getLogger(name)
-    if name == "xshard" or name.startswith("xshard."):
-        return logger  # children of "xshard" inherit its level and handler
-    _managed.add(name)
-    _apply(logger, _current)
-    return logger
+    if log_level is not None:
+        _explicit_levels[name] = parse_level(log_level, "log_level")
+        logger.setLevel(_explicit_levels[name])
+    if not (name == "xshard" or name.startswith("xshard.")):  # children of "xshard" inherit its handler
+        _managed.add(name)
+        _apply(logger, _current)
+    return MultiProcessAdapter(logger, {})
 
 
 def is_log_main_process() -> bool:

@@ -10,8 +10,14 @@
   interleaved back into that order: predictions line up with the data set's labels, as they do in
   Accelerate (whose ranks read contiguous blocks), e.g. in the PEFT guide's accuracy loop.
 
-Only values with one row per sample of the batch are reordered and cut (Accelerate's rule is "the
-first ``remainder`` rows" of any value); other values are returned as gathered.
+Values with one row per sample of the batch are reordered and cut to the real samples. Any other
+gathered tensor whose ranks' parts have equal length (``loss.repeat(batch_size)``, the transformers
+examples' evaluation pattern, or a batch's flattened tokens) is cut as Accelerate cuts it: in the
+batch that holds repeats, rank ``r``'s part keeps its first ``counts[r]`` rows (``counts[r]``: the
+real samples rank ``r`` read), which is what Accelerate's "the first ``remainder`` rows of the
+gathered value" keeps in its layout, where rank ``r`` reads the ``r``-th block of the global batch.
+So a repeated per-rank loss is weighted by the real samples behind it, and evaluation numbers equal
+Accelerate's whenever the ranks read the same samples.
 """
 
 from __future__ import annotations
@@ -103,14 +109,20 @@ def in_loader_order(gathered: Any, counts: list[int], batch_len: int, world_size
     not per-sample and stay as gathered.
     """
     order = [r * batch_len + i for i in range(batch_len) for r in range(world_size) if i < counts[r]]
+    has_repeats = sum(counts) < batch_len * world_size
 
     def arrange(rows: Any) -> Any:
         total = len(rows) if not isinstance(rows, torch.Tensor) else (rows.shape[0] if rows.dim() else 0)
-        if total != batch_len * world_size:  # not one row per sample of this batch
+        if total == batch_len * world_size:  # one row per sample of this batch
+            keep = order
+        elif has_repeats and total and total % world_size == 0:  # per-rank parts of another length
+            part = total // world_size
+            keep = [r * part + i for r in range(world_size) for i in range(min(part, counts[r]))]
+        else:
             return rows
         if isinstance(rows, torch.Tensor):
-            return rows[torch.tensor(order, dtype=torch.long, device=rows.device)]
-        return [rows[k] for k in order]
+            return rows[torch.tensor(keep, dtype=torch.long, device=rows.device)]
+        return [rows[k] for k in keep]
 
     if isinstance(gathered, list) and not only_tensors(gathered):
         return arrange(gathered)

@@ -9,11 +9,16 @@ when asked, so nothing can disagree with what the job does.
 config came from DeepSpeed (a ds_config, a DeepSpeedPlugin, an accelerate yaml with
 ``distributed_type: DEEPSPEED``), otherwise plain data parallel in Accelerate's device names
 (``MULTI_CPU``, ``MULTI_GPU``, ``MULTI_NPU``, ``XLA``; ``MULTI_TPU`` for TorchTPU) or ``NO`` for one process.
+
+``share_with_accelerate`` tells an imported Accelerate the same facts (see its docstring): the
+transformers ``*_no_trainer`` examples log through ``accelerate.logging.get_logger``, which asks
+Accelerate's ``PartialState`` which process it is in.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Iterator
 from enum import Enum
@@ -290,6 +295,55 @@ class AcceleratorState:
     def wait_for_everyone(self) -> None:
         self._acc.wait_for_everyone()
 
+    @property
+    def is_fsdp2(self) -> bool:
+        """True at stages 1-3 (sharded in FSDP2's way: per-parameter dim-0 shards)."""
+        return self.distributed_type == DistributedType.FSDP
+
+    @property
+    def initialized(self) -> bool:
+        """Always True: the view exists once the Accelerator does."""
+        return True
+
+    @property
+    def fork_launched(self) -> bool:
+        """Always False: processes are started by ``xshard launch`` / torchrun, not forked from a notebook."""
+        return False
+
+    @property
+    def debug(self) -> bool:
+        """Always False (Accelerate's ``ACCELERATE_DEBUG_MODE`` has no xshard counterpart)."""
+        return False
+
+    @property
+    def dynamo_plugin(self) -> None:
+        """None: xshard compiles nothing itself (compile the model with ``torch.compile`` before ``prepare``)."""
+        return None
+
+    @property
+    def megatron_lm_plugin(self) -> None:
+        """None: no tensor or pipeline parallelism."""
+        return None
+
+    @property
+    def torch_tp_plugin(self) -> None:
+        """None: no tensor parallelism."""
+        return None
+
+    @property
+    def parallelism_config(self) -> None:
+        """None: data parallelism (sharded or not) only."""
+        return None
+
+    @staticmethod
+    def _reset_state(reset_partial_state: bool = False) -> None:
+        """Accelerate's reset before building another Accelerator: nothing to do here, every answer is
+        read from the Accelerator that owns this view."""
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        """Leave the process group at the end of the script (the Accelerator's ``end``)."""
+        self._acc.end()
+
     def __repr__(self) -> str:
         return (f"Distributed environment: {self.distributed_type.value}\nNum processes: {self.num_processes}\n"
                 f"Process index: {self.process_index}\nLocal process index: {self.local_process_index}\n"
@@ -359,3 +413,65 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, stacklevel=4)
+
+
+#: a key of ours in Accelerate's shared process facts: they were filled from an xshard job
+_SHARED_MARK = "_filled_by_xshard"
+_ACCELERATE_FIX = ("use `from xshard.logging import get_logger` in place of `from accelerate.logging import "
+                   "get_logger` (same arguments and keywords)")
+
+
+def share_with_accelerate(accelerator: Any) -> bool:
+    """Fill Accelerate's ``PartialState`` and ``AcceleratorState`` with this job's facts when the script
+    imported Accelerate.
+
+    Design note: ``accelerate.logging.get_logger`` (every transformers ``*_no_trainer`` example logs
+    through it) raises "You must initialize the accelerate state" at its first line unless
+    Accelerate's ``PartialState`` holds this process's rank, world size, device and distributed
+    type, and Accelerate's helpers read ``AcceleratorState()``. Those are facts of the job, which
+    xshard knows, so Accelerate's objects are made to answer for it rather than asking the user to
+    edit every script: the fields Accelerate itself lists (``_known_attrs``) are filled, in place,
+    in its shared dicts; ``PartialState().wait_for_everyone`` (``in_order`` logging) then runs over
+    the process group xshard started. Nothing is done when Accelerate is not imported
+    (``import xshard`` never imports it), or when a real Accelerate state already exists. An
+    Accelerate whose state is laid out otherwise gets a warning naming the one-line fix instead.
+    Returns True when the facts were filled.
+    """
+    module = sys.modules.get("accelerate.state")
+    if module is None:
+        return False
+    partial = getattr(getattr(module, "PartialState", None), "_shared_state", None)
+    full = getattr(getattr(module, "AcceleratorState", None), "_shared_state", None)
+    accelerate_types = getattr(module, "DistributedType", None)
+    if not isinstance(partial, dict) or not isinstance(full, dict) or accelerate_types is None:
+        _warn_once("accelerate.state is laid out differently from the Accelerate versions xshard knows, so "
+                   "accelerate.logging.get_logger will not find this job's processes: " + _ACCELERATE_FIX)
+        return False
+    if partial and not partial.get(_SHARED_MARK):
+        return False  # Accelerate's own state, built by the script: leave it alone
+    ours = accelerator.state.distributed_type
+    distributed_type = getattr(accelerate_types, ours.value, None) or (
+        accelerate_types.NO if accelerator.world_size == 1 else accelerate_types.MULTI_CPU)
+    facts = {
+        "_cpu": accelerator.device.type == "cpu", "_mixed_precision": accelerator.mixed_precision,
+        "backend": accelerator.backend.dist_backend, "debug": False, "device": accelerator.device,
+        "distributed_type": distributed_type, "fork_launched": False,
+        "local_process_index": accelerator.local_rank, "num_processes": accelerator.world_size,
+        "process_index": accelerator.rank, _SHARED_MARK: True,
+    }
+    partial.clear()
+    partial.update(facts)
+    full.clear()
+    full.update(facts, fsdp_plugin=accelerator.state.fsdp_plugin, deepspeed_plugin=accelerator.state.deepspeed_plugin,
+                deepspeed_plugins=None, megatron_lm_plugin=None, dynamo_plugin=None, torch_tp_plugin=None,
+                parallelism_config=None, device_mesh=None)
+    return True
+
+
+def unshare_with_accelerate() -> None:
+    """Empty Accelerate's state objects again if ``share_with_accelerate`` filled them (the job ended)."""
+    module = sys.modules.get("accelerate.state")
+    for name in ("AcceleratorState", "PartialState"):
+        shared = getattr(getattr(module, name, None), "_shared_state", None)
+        if isinstance(shared, dict) and shared.get(_SHARED_MARK):
+            shared.clear()

@@ -53,7 +53,7 @@ from typing import Any, Protocol
 import torch
 
 from ..sharding.layout import rows_of
-from ..sharding.state_dict import local_pieces
+from ..sharding.state_dict import local_pieces, tie_partners
 from .files import (
     MANIFEST,
     CheckpointError,
@@ -302,7 +302,10 @@ def read_model_rows(source: TensorSource, model: Any, where: str) -> dict[str, t
     """This rank's rows of every model entry, checked against the model (keys, shapes); nothing is changed."""
     pieces = local_pieces(model)
     available = set(source.keys())
-    missing = [k for k in pieces if k not in available]
+    # a tied weight stored under one of its names (Accelerate, transformers) is read for each name
+    stored_as = {key: next((k for k in others if k in available), key)
+                 for key, others in tie_partners(model.module).items() if key not in available}
+    missing = [k for k in pieces if k not in available and stored_as.get(k, k) not in available]
     unexpected = [k for k in source.keys() if k not in pieces]
     if missing or unexpected:
         key = (missing or unexpected)[0]
@@ -312,12 +315,13 @@ def read_model_rows(source: TensorSource, model: Any, where: str) -> dict[str, t
             f"unexpected keys: {unexpected[:5]}); load a checkpoint of this model")
     out = {}
     for key, piece in pieces.items():
-        shape = source.shape(key)
+        stored = stored_as.get(key, key)
+        shape = source.shape(stored)
         if shape != tuple(piece.shape):
             raise CheckpointMismatchError(
                 f"{source.folder}: {where} key {key!r} has shape {shape} in the checkpoint, the model's is "
                 f"{tuple(piece.shape)}; load a checkpoint of this model")
-        out[key] = source.rows(key, piece.start, piece.stop, where)
+        out[key] = source.rows(stored, piece.start, piece.stop, where)
     return out
 
 

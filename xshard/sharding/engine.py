@@ -21,16 +21,39 @@ class Engine(ABC):
     """Hooks a model's forward and backward; reduces gradients; knows what it holds."""
 
     def __init__(self) -> None:
-        #: False inside ``no_sync()``: gradients accumulate locally, nothing is reduced
+        #: does the coming backward reduce? False inside ``no_sync()``, and after it for a backward
+        #: whose forward ran inside it (DDP decides at forward time too)
         self.sync = True
+        self._in_no_sync = False
+        self._forwards = 0
         #: all-gathers issued ahead of need, and the most units held at once (sharded engines)
         self.prefetched = 0
         self.peak_in_flight = 0
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (no communication) until the first backward after the block."""
-        old, self.sync = self.sync, False
+        """Accumulate gradients locally (no communication): backward passes in the block, and backward
+        passes after it of forwards run in it, as DDP's ``no_sync``; the first synced backward after
+        that reduces everything accumulated."""
+        old_sync, old_inside, forwards = self.sync, self._in_no_sync, self._forwards
+        self.sync, self._in_no_sync = False, True
+        try:
+            yield
+        finally:
+            self._in_no_sync = old_inside
+            if self._forwards == forwards:  # no forward in the block: nothing waits to be backwarded unsynced
+                self.sync = old_sync
+
+    def forward_started(self) -> None:
+        """A forward of the model begins: its backward reduces unless it runs inside ``no_sync``."""
+        self._forwards += 1
+        self.sync = not self._in_no_sync
+
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self) -> Iterator[None]:
+        """Backward passes in the block reduce, even of forwards run inside ``no_sync`` (Accelerate's
+        ``trigger_sync_in_backward``: several forwards accumulated, the last backward synchronises)."""
+        old, self.sync = self.sync, True
         try:
             yield
         finally:

@@ -183,6 +183,7 @@ class ShardedModel(nn.Module):
 
     # ------------------------------------------------------------------ module protocol
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._engine.forward_started()
         return self.module(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -229,6 +230,10 @@ class ShardedModel(nn.Module):
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients locally (no communication) until the first backward after the block."""
         return self._engine.no_sync()
+
+    def trigger_sync_in_backward(self) -> contextlib.AbstractContextManager[None]:
+        """Backward passes in the block reduce, even of forwards run inside ``no_sync``."""
+        return self._engine.trigger_sync_in_backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients, including full gradients still held from ``no_sync`` micro-steps."""

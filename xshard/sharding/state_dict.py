@@ -62,6 +62,30 @@ def _param_keys(module: nn.Module) -> dict[str, nn.Parameter]:
     return dict(module.named_parameters(remove_duplicate=False))
 
 
+def tie_partners(module: nn.Module) -> dict[str, list[str]]:
+    """Each name of a tied parameter -> its other names (``lm_head.weight`` -> ``[model.embed_tokens.weight]``).
+
+    A tied weight is one tensor, so files written from a tied model may hold it under one name only
+    (safetensors refuses to store it twice; Accelerate and transformers keep one name), and which
+    name depends on the writer: loading accepts either.
+    """
+    names: dict[int, list[str]] = {}
+    for key, p in _param_keys(module).items():
+        names.setdefault(id(p), []).append(key)
+    return {key: [k for k in group if k != key] for group in names.values() if len(group) > 1 for key in group}
+
+
+def fill_tied_keys(state_dict: dict[str, Any], partners: dict[str, list[str]]) -> dict[str, Any]:
+    """``state_dict`` with every tied name it lacks filled from a partner it has (the same tensor)."""
+    out = dict(state_dict)
+    for key, others in partners.items():
+        if key not in out:
+            source = next((k for k in others if k in state_dict), None)
+            if source is not None:
+                out[key] = state_dict[source]
+    return out
+
+
 class StateDictHooks:
     """The hooks that make the user's module's ``state_dict``/``load_state_dict`` speak whole tensors.
 
@@ -159,8 +183,10 @@ def full_state_dict(model: Any, rank0_only: bool = True) -> dict[str, torch.Tens
 
 
 def load_full_state_dict(model: Any, state_dict: dict[str, torch.Tensor]) -> None:
-    """See ``ShardedModel.load_full_state_dict``: keys must match exactly; each rank keeps its rows."""
+    """See ``ShardedModel.load_full_state_dict``: keys must match exactly (a tied weight under either
+    of its names is enough); each rank keeps its rows."""
     module = model.module
+    state_dict = fill_tied_keys(state_dict, tie_partners(module))
     with model.raw_state_dict():
         expected = set(module.state_dict().keys())
     missing = sorted(expected - set(state_dict))

@@ -1,0 +1,42 @@
+"""Run one of Accelerate's own test scripts with xshard's Accelerator in place of Accelerate's (test-only).
+
+    xshard launch --nproc 2 tests/accelerate_shim.py SCRIPT [FUNCTION ...]
+
+SCRIPT is a path inside the installed accelerate package (``accelerate/test_utils/scripts/...``), run
+from where it is installed. Before it is imported, ``accelerate.Accelerator`` (and the same name in
+``accelerate.accelerator``) becomes ``xshard.Accelerator``; nothing else of Accelerate is replaced, so
+the scripts' assertions judge xshard. An xshard Accelerator is built first, so that Accelerate's
+``PartialState`` describes this job (``xshard.state.share_with_accelerate``) for the functions that
+read it. Without FUNCTION the script runs as ``__main__``; with them, only those functions run, in order.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+import accelerate
+import accelerate.accelerator
+
+import xshard
+
+accelerate.Accelerator = xshard.Accelerator
+accelerate.accelerator.Accelerator = xshard.Accelerator
+
+
+def main() -> None:
+    script, functions = sys.argv[1], sys.argv[2:]
+    sys.argv = [script]
+    xshard.Accelerator()  # this job's facts for Accelerate's PartialState
+    if not functions:
+        runpy.run_path(script, run_name="__main__")
+    else:
+        namespace = runpy.run_path(script, run_name="accelerate_script")
+        for name in functions:
+            namespace[name]()
+            print(f"SHIM PASSED {name}", flush=True)
+    print("SHIM DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Accelerate's own test scripts, from the installed accelerate package, judge xshard's Accelerator.
+
+Each script runs from where accelerate installed it (``accelerate/test_utils/scripts/``; never copied)
+under ``xshard launch --nproc 2``, with ``tests/accelerate_shim.py`` putting ``xshard.Accelerator`` in
+place of ``accelerate.Accelerator``; the scripts' own assertions decide. ``XSHARD_STAGE`` picks the
+stage (0: replicated, Accelerate's ``MULTI_CPU`` branches; 3: sharded, its ``FSDP`` branches).
+
+Run, and what they check:
+- ``test_sync.py`` (whole script), stage 0: ``no_sync`` (gradients differ between the processes'
+  replicas inside it, agree after), several forwards under ``no_sync`` then backwards with
+  ``trigger_sync_in_backward`` on the last, ``accumulate`` with an optimizer and a scheduler (learning
+  rates and gradients against a single-process model on the gathered batch), which data loader
+  ``gradient_state`` reports while nested loaders run.
+- ``test_script.py``: ``process_execution_check`` (``main_process_first``, the ``on_*process``
+  decorators) and ``custom_sampler_check`` (a loader with a custom batch sampler, through Accelerate's
+  ``prepare_data_loader`` over the ``AcceleratorState`` xshard fills), at stage 3.
+
+Known gaps, run as strict xfails with the failure they show (``KnownGap``), so a fix is noticed:
+- ``test_sync.py`` at stage 3: it compares each ``param.grad`` of the prepared model with a plain
+  model's. At stages 1-3 ``param.grad`` holds this rank's rows of the reduced gradient after a
+  window and is None inside one (the gradients are held whole in the core until the window ends, as
+  FSDP2 holds them unsharded), see the README's "Stages 1-3: what a script sees".
+- ``training_check`` of ``test_script.py``: at stage 0 its shuffled loader's order comes from the
+  loader's ``torch.Generator``; xshard's shuffle comes from the Accelerator's seed (README: shuffled
+  loaders), so the trained scalars differ; at stage 3 ``unwrap_model(model).a`` is this rank's rows
+  of the scalar (shape (1,) on rank 0), which ``torch.testing.assert_close`` refuses by shape.
+
+Excluded (functions that build Accelerate's internal objects, or need what this machine lacks):
+- ``test_script.py``'s other functions: ``init_state_check`` / ``test_reinstantiated_state`` build
+  ``PartialState`` / ``AcceleratorState`` from scratch; ``rng_sync_check`` and the seedable-sampler,
+  ``dl_preparation_check`` / ``central_dl_preparation_check`` and ``split_between_processes_*``
+  checks drive Accelerate's ``synchronize_rng_states``, ``prepare_data_loader`` /
+  ``BatchSamplerShard`` / ``skip_first_batches`` and ``PartialState`` directly (no Accelerator);
+  ``test_trigger`` is covered by ``tests/test_accelerate_behaviour.py``.
+- ``external_deps/test_metrics.py`` and ``external_deps/test_checkpointing.py`` import ``datasets`` and
+  ``evaluate`` and download GLUE MRPC / bert-base-cased: they run where those are installed and the
+  Hub is reachable, and are skipped otherwise (``test_metrics.py``'s ``test_mrpc`` also needs a
+  non-CPU device, by its own rule).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIM = Path(__file__).resolve().parent / "accelerate_shim.py"
+
+
+class KnownGap(Exception):
+    """A script failed with the failure the module docstring lists for it."""
+
+
+def _scripts() -> Path:
+    spec = importlib.util.find_spec("accelerate")
+    if spec is None or spec.origin is None:
+        pytest.skip("accelerate is not installed")
+    return Path(spec.origin).parent / "test_utils" / "scripts"
+
+
+def _launch(tmp_path: Path, stage: int, script: str, *functions: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
+    env.update(XSHARD_STAGE=str(stage), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "xshard", "launch", "--nproc", "2", str(SHIM),
+                           str(_scripts() / script), *functions],
+                          capture_output=True, text=True, timeout=500, cwd=tmp_path, env=env)
+
+
+def _passed(proc: subprocess.CompletedProcess, *functions: str) -> None:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert proc.stdout.count("SHIM DONE") == 2, out[-3000:]  # both processes reached the end
+    for name in functions:
+        assert proc.stdout.count(f"SHIM PASSED {name}") == 2, out[-3000:]
+
+
+def _known(proc: subprocess.CompletedProcess, *signs: str) -> None:
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0 and all(sign in out for sign in signs):
+        raise KnownGap(signs[-1])
+    _passed(proc)
+
+
+def test_sync_script_at_stage_0(tmp_path):
+    _passed(_launch(tmp_path, 0, "test_sync.py"))
+
+
+@pytest.mark.xfail(raises=KnownGap, strict=True, reason="param.grad is None inside a window at stage 3")
+def test_sync_script_at_stage_3(tmp_path):
+    _known(_launch(tmp_path, 3, "test_sync.py"), "test_gradient_accumulation_with_opt_and_scheduler",
+           "must be Tensor, not NoneType")
+
+
+def test_script_process_and_custom_sampler_checks_at_stage_3(tmp_path):
+    functions = ("process_execution_check", "custom_sampler_check")
+    _passed(_launch(tmp_path, 3, "test_script.py", *functions), *functions)
+
+
+@pytest.mark.xfail(raises=KnownGap, strict=True, reason="the shuffle comes from the Accelerator's seed, "
+                   "not the loader's generator")
+def test_script_training_check_at_stage_0(tmp_path):
+    _known(_launch(tmp_path, 0, "test_script.py", "training_check"), "Did not obtain the same model",
+           "Scalars are not close")
+
+
+@pytest.mark.xfail(raises=KnownGap, strict=True, reason="unwrap_model parameters hold this rank's rows at stage 3")
+def test_script_training_check_at_stage_3(tmp_path):
+    _known(_launch(tmp_path, 3, "test_script.py", "training_check"), "Did not obtain the same model",
+           "torch.Size([]) != torch.Size([1])")
+
+
+@pytest.mark.parametrize("script", ["external_deps/test_metrics.py", "external_deps/test_checkpointing.py"])
+def test_scripts_that_need_datasets_evaluate_and_the_hub(tmp_path, script):
+    for module in ("datasets", "evaluate"):
+        pytest.importorskip(module, reason=f"{script} imports {module}")
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        pytest.skip(f"{script} downloads its model and data set from the Hub")
+    _passed(_launch(tmp_path, 3, script))
