@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -93,8 +92,7 @@ class CommunicationAPI:
         if self.world.world_size == 1:
             kwargs["store"] = dist.HashStore()  # a world of one needs no rendezvous address
         else:
-            os.environ.setdefault("MASTER_ADDR", DEFAULT_MASTER_ADDR)
-            os.environ.setdefault("MASTER_PORT", DEFAULT_MASTER_PORT)
+            self.world.export()  # c10d's env:// rendezvous reads them (a Slurm or MPI world sets none)
         if timeout is not None:
             kwargs["timeout"] = timeout
         kwargs.update(self.process_group_options())
