@@ -796,7 +796,7 @@ class Accelerator:
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
     def save_state(self, directory: str | os.PathLike | None = None, state_dict_type: str | None = None,
-                   save_total_limit: int | None = None, **kwargs: Any) -> Path:
+                   save_total_limit: int | None = None, async_save: bool | None = None, **kwargs: Any) -> Path:
         """Save models, optimizers, schedulers, loaders' positions, scaler, RNG, step and the objects
         given to ``register_for_checkpointing`` to ``directory``.
 
@@ -808,6 +808,9 @@ class Accelerator:
         ``project_dir/checkpoints/checkpoint_<iteration>`` and its ``total_limit`` applies
         (``xshard.project``). Accelerate's ``safe_serialization`` is accepted (models are always
         safetensors). Every rank must call it. Returns the checkpoint's path.
+        ``async_save`` (default: the config's ``async_save``): return once this rank's state is copied
+        to host memory and write the files in the background (``xshard.checkpoint.async_save``); the
+        next ``save_state``, ``load_state`` and ``end()`` wait for it and raise its error if it failed.
         """
         from .checkpoint import save_state
 
@@ -819,7 +822,8 @@ class Accelerator:
             directory = project.next_checkpoint(self.project_configuration)
             if save_total_limit is None:
                 save_total_limit = getattr(self.project_configuration, "total_limit", None)
-        path = save_state(self.job, directory, state_dict_type, save_total_limit)
+        background = self.config.async_save if async_save is None else bool(async_save)
+        path = save_state(self.job, directory, state_dict_type, save_total_limit, async_save=background)
         if automatic:
             self.project_configuration.iteration += 1
         return path
@@ -853,6 +857,9 @@ class Accelerator:
     def end(self) -> None:
         """Leave the process group and undo the prepared models' backend patches (safe to call twice)."""
         if not self._ended:
+            from .checkpoint.state import wait_for_background_save
+
+            wait_for_background_save(self.job)  # an async save is complete (or its error raised) before the end
             self.wait_for_everyone()
             self._close_models()
             self.backend.destroy_process_group()
