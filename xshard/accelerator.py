@@ -49,6 +49,7 @@ from torch.utils.data import DataLoader
 
 from . import grads, metrics, project, saving, tracking
 from .backends import Backend, select
+from .checkpoint import auto_resume
 from .config.accelerate_args import AccelerateSettings, config_origin, read_accelerate_args
 from .data import ShardedDataLoader, shard_data_loader
 from .job import JobState
@@ -323,6 +324,7 @@ class Accelerator:
         for obj in out:
             if isinstance(obj, PreparedOptimizer) and self.job.models:
                 _warn_outside_models(obj.optimizer, self.job.models)
+        auto_resume.resume_if_restarted(self.job, self.project_dir)  # xshard launch --max_restarts
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -761,6 +763,7 @@ class Accelerator:
             raise ValueError(f"register_for_checkpointing: every object needs state_dict() and load_state_dict(); "
                              f"these do not: {names}")
         self.job.custom_objects.extend(objects)
+        auto_resume.resume_if_restarted(self.job, self.project_dir)
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """The loader from batch ``num_batches`` of its current epoch on (``xshard.data``): after
@@ -824,6 +827,7 @@ class Accelerator:
                 save_total_limit = getattr(self.project_configuration, "total_limit", None)
         background = self.config.async_save if async_save is None else bool(async_save)
         path = save_state(self.job, directory, state_dict_type, save_total_limit, async_save=background)
+        auto_resume.record(path, self.local_process_index)  # where a restarted job resumes from
         if automatic:
             self.project_configuration.iteration += 1
         return path

@@ -158,8 +158,8 @@ class AsyncSaver:
         self.staging = HostStaging(job.backend.host_buffer)
         self.rank = job.rank
         self.world_size = job.world_size
-        timeout = getattr(job.backend, "_timeout", None)
-        self.wait_seconds = timeout.total_seconds() if timeout is not None else _DEFAULT_WAIT_SECONDS
+        timeout = job.config.timeout  # the job's collective timeout: the other ranks' writes get as long
+        self.wait_seconds = float(timeout) if timeout else _DEFAULT_WAIT_SECONDS
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._path: Path | None = None
