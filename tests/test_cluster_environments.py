@@ -231,3 +231,12 @@ def test_srun_xshard_launch_one_per_node_trains_like_xshard_launch(launched, tmp
     assert [(r["rank"], r["local_rank"], r["environment"]) for r in records] == [
         (0, 0, "torchrun"), (1, 1, "torchrun"), (2, 0, "torchrun"), (3, 1, "torchrun")]
     assert records[0]["weights"] == launched[0]["weights"]
+
+
+def test_xshard_env_says_which_environment_it_found_and_what_it_read(clean_env):
+    env = {**_base_env(), **slurm_task(0)}
+    done = subprocess.run([sys.executable, "-m", "xshard", "env"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (f"started by     slurm: rank 0 of 4, local rank 0 of 2, node 0 of 2, rendezvous 127.0.0.1:"
+            f"{SLURM_PORT_BASE + 4242}  (read SLURM_STEP_NUM_TASKS=4, SLURM_PROCID=0") in done.stdout
+    assert "xshard launch here would be refused" in done.stdout  # two tasks on this node already
