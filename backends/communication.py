@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -93,6 +94,9 @@ class CommunicationAPI:
             kwargs["store"] = dist.HashStore()  # a world of one needs no rendezvous address
         else:
             self.world.export()  # c10d's env:// rendezvous reads them (a Slurm or MPI world sets none)
+            store = restart_store(timeout)
+            if store is not None:
+                kwargs["store"] = store
         if timeout is not None:
             kwargs["timeout"] = timeout
         kwargs.update(self.process_group_options())
@@ -201,3 +205,19 @@ def as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedel
     if timeout.total_seconds() <= 0:
         raise ValueError(f"timeout={timeout} must be positive (seconds, or a timedelta)")
     return timeout
+
+
+def restart_store(timeout: datetime.timedelta | None) -> Any:
+    """After a torchrun restart, the agent's store seen under a prefix of this attempt; None otherwise.
+
+    torchrun's workers share its agent's key-value store across restarts (TORCHELASTIC_USE_AGENT_STORE),
+    and the keys a process group publishes there (each rank's address) outlive the attempt that wrote
+    them: a restarted rank may read its peer's old address before the peer wrote its new one, and then
+    fails to connect (gloo: "Connection refused"). A prefix per attempt gives each attempt fresh keys.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in ("", "0"):
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout or datetime.timedelta(minutes=30))
+    return dist.PrefixStore(f"xshard/attempt_{attempt}", store)

@@ -58,10 +58,6 @@ def test_a_rank_killed_mid_run_under_torchruns_restarts_resumes_with_an_uninterr
     _assert_resumed_to(out, done, uninterrupted)
 
 
-@pytest.mark.xfail(reason="measured: ranks that torchrun restarts behind xshard launch's parent-death guard fail "
-                          "gloo's connectFullMesh (connection refused to the peer's published address) in most "
-                          "runs, while the same restart under torchrun alone, or xshard launch without the guard, "
-                          "succeeds", strict=False)
 def test_a_rank_killed_mid_run_with_xshard_launch_max_restarts_finishes_on_its_own(uninterrupted, tmp_path,
                                                                                      clean_env):
     out = tmp_path / "restarted"
