@@ -19,16 +19,17 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from . import cluster
 from .collectives import Collectives
 from .communication import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, CommunicationAPI
 from .device import DeviceAPI, StepPatch
 from .environment import env_override
-from .errors import WorldEnvironmentError
 
 if TYPE_CHECKING:
     from .launchers import Launcher
@@ -40,42 +41,38 @@ __all__ = ["DEFAULT_MASTER_ADDR", "DEFAULT_MASTER_PORT", "Backend", "StepPatch",
 
 @dataclass(frozen=True)
 class World:
-    """This process's place in the job, read from torchrun's environment contract."""
+    """This process's place in the job: from torchrun's variables, a Slurm step's or an MPI launcher's
+    (``cluster.detect``), or one process when none is set."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
+    #: the rendezvous (node 0's address and port) when the environment names it
+    master_addr: str | None = None
+    master_port: int | None = None
+    #: what started this process: "single", "torchrun", "env", "kubeflow", "slurm", "openmpi", "mpich"
+    environment: str = "single"
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> World:
-        """RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE; one process when none is set."""
+    def from_env(cls, env: Mapping[str, str] | None = None) -> World:
+        """The world that the environment describes (``backends.cluster``); one process when none is set."""
+        found = cluster.detect(os.environ if env is None else env)
+        return cls(found.rank, found.world_size, found.local_rank, found.local_world_size, found.master_addr,
+                   found.master_port, found.name)
+
+    def export(self, env: MutableMapping[str, str] | None = None) -> None:
+        """Put this world into torchrun's variables where they are unset (RANK, WORLD_SIZE, LOCAL_RANK,
+        LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so that c10d's rendezvous and any code that reads
+        them see the job a Slurm step or an MPI launcher described."""
         env = os.environ if env is None else env
-
-        def read(name: str, default: int) -> int:
-            raw = env.get(name)
-            if raw is None or raw == "":
-                return default
-            try:
-                return int(raw)
-            except ValueError:
-                raise WorldEnvironmentError(
-                    f"environment variable {name}={raw!r} is not an integer: check the launcher's environment"
-                ) from None
-
-        world_size = read("WORLD_SIZE", 1)
-        rank = read("RANK", 0)
-        local_rank = read("LOCAL_RANK", rank)
-        local_world_size = read("LOCAL_WORLD_SIZE", world_size)
-        if world_size < 1:
-            raise WorldEnvironmentError(f"WORLD_SIZE={world_size} must be at least 1")
-        if not 0 <= rank < world_size:
-            raise WorldEnvironmentError(
-                f"RANK={rank} is outside WORLD_SIZE={world_size}: check the launcher's environment"
-            )
-        if local_rank < 0:
-            raise WorldEnvironmentError(f"LOCAL_RANK={local_rank} is negative: check the launcher's environment")
-        return cls(rank, world_size, local_rank, local_world_size)
+        values = {
+            "RANK": self.rank, "WORLD_SIZE": self.world_size, "LOCAL_RANK": self.local_rank,
+            "LOCAL_WORLD_SIZE": self.local_world_size, "MASTER_ADDR": self.master_addr or DEFAULT_MASTER_ADDR,
+            "MASTER_PORT": self.master_port if self.master_port is not None else DEFAULT_MASTER_PORT,
+        }
+        for key, value in values.items():
+            env.setdefault(key, str(value))
 
 
 class Backend(DeviceAPI, CommunicationAPI):

@@ -93,8 +93,10 @@ class CommunicationAPI:
         if self.world.world_size == 1:
             kwargs["store"] = dist.HashStore()  # a world of one needs no rendezvous address
         else:
-            os.environ.setdefault("MASTER_ADDR", DEFAULT_MASTER_ADDR)
-            os.environ.setdefault("MASTER_PORT", DEFAULT_MASTER_PORT)
+            self.world.export()  # c10d's env:// rendezvous reads them (a Slurm or MPI world sets none)
+            store = restart_store(timeout)
+            if store is not None:
+                kwargs["store"] = store
         if timeout is not None:
             kwargs["timeout"] = timeout
         kwargs.update(self.process_group_options())
@@ -203,3 +205,19 @@ def as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedel
     if timeout.total_seconds() <= 0:
         raise ValueError(f"timeout={timeout} must be positive (seconds, or a timedelta)")
     return timeout
+
+
+def restart_store(timeout: datetime.timedelta | None) -> Any:
+    """After a torchrun restart, the agent's store seen under a prefix of this attempt; None otherwise.
+
+    torchrun's workers share its agent's key-value store across restarts (TORCHELASTIC_USE_AGENT_STORE),
+    and the keys a process group publishes there (each rank's address) outlive the attempt that wrote
+    them: a restarted rank may read its peer's old address before the peer wrote its new one, and then
+    fails to connect (gloo: "Connection refused"). A prefix per attempt gives each attempt fresh keys.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in ("", "0"):
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout or datetime.timedelta(minutes=30))
+    return dist.PrefixStore(f"xshard/attempt_{attempt}", store)

@@ -26,6 +26,7 @@ class CUDABackend(Backend):
     dist_backend = "nccl"
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     native_avg = True  # NCCL implements ReduceOp.AVG (since NCCL 2.10)
+    pins_host_memory = True  # cudaHostAlloc: device-to-host copies run asynchronously
     install_hint = (
         "install a CUDA build of torch, e.g. pip install torch=={torch} "
         "--index-url https://download.pytorch.org/whl/cu126"

@@ -57,6 +57,9 @@ class DeviceAPI:
     #: does the device compile whole graphs (XLA)? Then each new tensor shape is a new compilation,
     #: so the data path should keep shapes static (pad batches to a few fixed widths)
     compiles_graphs: ClassVar[bool] = False
+    #: can host memory be page-locked (pinned) for this device, so that a copy from the device to it runs
+    #: asynchronously and at full speed? The host buffers of an async save are then pinned (and reused)
+    pins_host_memory: ClassVar[bool] = False
 
     # set by Backend
     name: ClassVar[str]
@@ -67,6 +70,11 @@ class DeviceAPI:
     def device_module(self) -> Any:
         """The torch.<device_type> module (torch.cuda, torch.npu, torch.mps)."""
         return getattr(torch, self.device_type)
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 host buffer of ``nbytes`` to copy this device's tensors into (pinned where
+        ``pins_host_memory``; pageable otherwise)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pins_host_memory)
 
     def device_count(self) -> int:
         """Number of devices visible to this process."""

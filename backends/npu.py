@@ -54,6 +54,7 @@ class NPUBackend(Backend):
     dist_backend = "hccl"
     visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
     native_avg = True  # ProcessGroupHCCL: AVG is an HCCL sum, then a divide on its stream
+    pins_host_memory = True  # torch_npu pins host memory (aclrtMallocHost) for asynchronous copies
     vendor_module = "torch_npu"
     install_hint = _MATCHING_RELEASE + " (the release matching torch) and set up CANN (source set_env.sh)"
     related_env_vars = ("ASCEND_HOME_PATH", "ASCEND_OPP_PATH", AUTOLOAD_ENV)

@@ -51,6 +51,7 @@ from torch.utils.data import DataLoader
 
 from . import grads, metrics, project, saving, tracking
 from .backends import Backend, select
+from .checkpoint import auto_resume
 from .config.accelerate_args import AccelerateSettings, config_origin, read_accelerate_args
 from .data import ShardedDataLoader, shard_data_loader
 from .job import JobState
@@ -333,6 +334,7 @@ class Accelerator:
         for obj in out:
             if isinstance(obj, PreparedOptimizer) and self.job.models:
                 _warn_outside_models(obj.optimizer, self.job.models)
+        auto_resume.resume_if_restarted(self.job, self.project_dir)  # xshard launch --max_restarts
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -854,6 +856,7 @@ class Accelerator:
             raise ValueError(f"register_for_checkpointing: every object needs state_dict() and load_state_dict(); "
                              f"these do not: {names}")
         self.job.custom_objects.extend(objects)
+        auto_resume.resume_if_restarted(self.job, self.project_dir)
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """The loader from batch ``num_batches`` of its current epoch on (``xshard.data``): after
@@ -889,7 +892,7 @@ class Accelerator:
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
     def save_state(self, directory: str | os.PathLike | None = None, state_dict_type: str | None = None,
-                   save_total_limit: int | None = None, **kwargs: Any) -> Path:
+                   save_total_limit: int | None = None, async_save: bool | None = None, **kwargs: Any) -> Path:
         """Save models, optimizers, schedulers, loaders' positions, scaler, RNG, step and the objects
         given to ``register_for_checkpointing`` to ``directory``.
 
@@ -901,6 +904,9 @@ class Accelerator:
         ``project_dir/checkpoints/checkpoint_<iteration>`` and its ``total_limit`` applies
         (``xshard.project``). Accelerate's ``safe_serialization`` is accepted (models are always
         safetensors). Every rank must call it. Returns the checkpoint's path.
+        ``async_save`` (default: the config's ``async_save``): return once this rank's state is copied
+        to host memory and write the files in the background (``xshard.checkpoint.async_save``); the
+        next ``save_state``, ``load_state`` and ``end()`` wait for it and raise its error if it failed.
         """
         from .checkpoint import save_state
 
@@ -912,7 +918,9 @@ class Accelerator:
             directory = project.next_checkpoint(self.project_configuration)
             if save_total_limit is None:
                 save_total_limit = getattr(self.project_configuration, "total_limit", None)
-        path = save_state(self.job, directory, state_dict_type, save_total_limit)
+        background = self.config.async_save if async_save is None else bool(async_save)
+        path = save_state(self.job, directory, state_dict_type, save_total_limit, async_save=background)
+        auto_resume.record(path, self.local_process_index)  # where a restarted job resumes from
         if automatic:
             self.project_configuration.iteration += 1
         return path
@@ -946,6 +954,9 @@ class Accelerator:
     def end(self) -> None:
         """Leave the process group and undo the prepared models' backend patches (safe to call twice)."""
         if not self._ended:
+            from .checkpoint.state import wait_for_background_save
+
+            wait_for_background_save(self.job)  # an async save is complete (or its error raised) before the end
             self.wait_for_everyone()
             self._close_models()
             self._leave()

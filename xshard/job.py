@@ -58,6 +58,10 @@ class JobState:
     micro_step: int = 0
     sync_gradients: bool = True
     clipped: bool = False
+    #: the background writer of async saves (``xshard.checkpoint.async_save``; keeps its host buffers), or None
+    async_saver: Any = None
+    #: a restarted job resumed (or found nothing to resume) already (``xshard.checkpoint.auto_resume``)
+    resumed_after_restart: bool = False
     adjust_scheduler: bool = True
     sync_with_dataloader: bool = True
     sync_each_batch: bool = False

@@ -14,10 +14,15 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 from .base import GUARD, Launcher, LaunchError, LaunchPlan, LaunchRequest, exit_code
+
+#: a file that outlives the ranks of a job with restarts: the ranks note there where they save
+#: checkpoints, so that restarted ranks resume from them (``xshard.checkpoint.auto_resume``)
+RESUME_FILE_ENV = "XSHARD_RESUME_FILE"
 
 
 def free_port() -> int:
@@ -61,7 +66,10 @@ class TorchrunLauncher(Launcher):
         args.training_script = str(GUARD)
         args.training_script_args = [sys.executable, "-u", *script, *plan.script_args]
         try:
-            with env_override(**{PARENT_ENV: str(os.getpid())}):
+            with tempfile.TemporaryDirectory(prefix="xshard-run-") as run_dir, env_override(**{
+                PARENT_ENV: str(os.getpid()),
+                RESUME_FILE_ENV: os.environ.get(RESUME_FILE_ENV) or os.path.join(run_dir, "checkpoint-folder"),
+            }):
                 run(args)
         except ChildFailedError as exc:
             code, message = failure_report(exc.failures)

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..log import get_logger
+from . import async_save as background
 from . import foreign, formats
 from .files import (
     FORMAT_VERSION,
@@ -128,13 +129,16 @@ def _model_config(model: Any) -> str | None:
 
 
 def save_state(job: JobState, directory: str | os.PathLike, state_dict_type: str | None = None,
-               save_total_limit: int | None = None) -> Path:
+               save_total_limit: int | None = None, async_save: bool = False) -> Path:
     """Write the job's state to ``directory`` (every rank calls this); returns the final path.
 
     ``state_dict_type``: "full", "local" or "sharded" (default: the config's). ``save_total_limit``:
     afterwards keep only that many complete checkpoints in ``directory``'s parent folder, deleting the
-    oldest (never the one just written).
+    oldest (never the one just written). ``async_save``: return once this rank's state is copied to
+    host memory and write it in the background (``async_save.py``); a save still being written is
+    waited for first.
     """
+    wait_for_background_save(job)
     kind = state_dict_type or job.config.state_dict_type
     if kind not in formats.STATE_DICT_TYPES:
         raise ValueError(f"state_dict_type={kind!r}: use one of {', '.join(formats.STATE_DICT_TYPES)}")
@@ -150,6 +154,12 @@ def save_state(job: JobState, directory: str | os.PathLike, state_dict_type: str
     tmp = begin(final, job.is_main_process)
     job.barrier()
     job.backend.mark_step()  # compiled devices: materialise pending updates before reading tensors
+    head = _manifest_head(job, kind)  # the job as it is now (the background commit runs later)
+    if async_save:
+        commit = (lambda: _commit(tmp, final, head, job.world_size, save_total_limit)) if job.is_main_process else None
+        background.AsyncSaver.of(job).start(tmp, final, lambda writer: _write_files(job, writer, kind), commit,
+                                            job.backend.synchronize)
+        return final
 
     with slow_progress(f"saving {final.name}") as bar:
         writer = FileWriter(tmp, job.rank, on_bytes=bar.update)
@@ -160,36 +170,53 @@ def save_state(job: JobState, directory: str | os.PathLike, state_dict_type: str
     job.barrier()
 
     if job.is_main_process:
-        from .. import __version__
-
-        files: dict[str, Any] = {}
-        parts: dict[str, list[dict[str, Any]]] = {}
-        for rank in range(job.world_size):
-            path = tmp / f"fragment.rank{rank}.json"
-            part = json.loads(path.read_text())
-            path.unlink()
-            files.update(part["files"])
-            for name, table in part["tables"].items():
-                parts.setdefault(name, []).append(table)
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "xshard_version": __version__,
-            "state_dict_type": kind,
-            **_job(job),
-            "step": job.step,
-            "micro_step": job.micro_step,
-            "config": job.config.to_dict(),
-            "tables": {name: formats.merge_tables(p) for name, p in parts.items()},
-            "files": files,
-        }
-        write_manifest(tmp, manifest)
-        commit(tmp, final)
-        log.info("saved %s checkpoint to %s", kind, final)
-        if save_total_limit is not None:
-            for path in rotate(final.parent, save_total_limit, final):
-                log.info("deleted old checkpoint %s (save_total_limit=%d)", path, save_total_limit)
+        _commit(tmp, final, head, job.world_size, save_total_limit)
     job.barrier()
     return final
+
+
+def _manifest_head(job: JobState, kind: str) -> dict[str, Any]:
+    """The manifest's description of the job at the moment of the save (every key but the files)."""
+    from .. import __version__
+
+    return {
+        "format_version": FORMAT_VERSION,
+        "xshard_version": __version__,
+        "state_dict_type": kind,
+        **_job(job),
+        "step": job.step,
+        "micro_step": job.micro_step,
+        "config": job.config.to_dict(),
+    }
+
+
+def _commit(tmp: Path, final: Path, head: dict[str, Any], world_size: int, save_total_limit: int | None) -> None:
+    """Rank 0, once every rank's files and fragment are in ``tmp``: the manifest, the commit, the rotation."""
+    files: dict[str, Any] = {}
+    parts: dict[str, list[dict[str, Any]]] = {}
+    for rank in range(world_size):
+        path = tmp / f"fragment.rank{rank}.json"
+        part = json.loads(path.read_text())
+        path.unlink()
+        files.update(part["files"])
+        for name, table in part["tables"].items():
+            parts.setdefault(name, []).append(table)
+    manifest = {
+        **head,
+        "tables": {name: formats.merge_tables(p) for name, p in parts.items()},
+        "files": files,
+    }
+    write_manifest(tmp, manifest)
+    commit(tmp, final)
+    log.info("saved %s checkpoint to %s", head["state_dict_type"], final)
+    if save_total_limit is not None:
+        for path in rotate(final.parent, save_total_limit, final):
+            log.info("deleted old checkpoint %s (save_total_limit=%d)", path, save_total_limit)
+
+
+def wait_for_background_save(job: JobState) -> None:
+    """Wait for an async save of this job still being written; raise its error on every rank if it failed."""
+    background.wait(job, lambda failed: _ranks_where(job, failed)[0])
 
 
 def _write_files(job: JobState, writer: FileWriter, kind: str) -> dict[str, Any]:
@@ -307,6 +334,7 @@ def load_state(job: JobState, directory: str | os.PathLike, *, missing_ok: bool 
     rank read the whole checkpoint successfully. A folder that does not exist is an error naming it;
     with ``missing_ok=True`` nothing is loaded and None is returned instead.
     """
+    wait_for_background_save(job)
     root = Path(directory)
     old = root.with_name(root.name + OLD_SUFFIX)
     if not root.exists() and (old / MANIFEST).is_file():  # a crash between the two renames of commit()
@@ -385,6 +413,7 @@ def resume(job: JobState, output_dir: str | os.PathLike, *, missing_ok: bool = F
     files are damaged (truncated, corrupted, missing), a warning names the file and the next older
     complete checkpoint is loaded instead; a checkpoint of another model or job is an error.
     """
+    wait_for_background_save(job)
     root = Path(output_dir)
     if (root / MANIFEST).is_file() or foreign.is_foreign_checkpoint(root):
         candidates = [root]

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 import xshard
-from xshard.backends import AUTO_ORDER, ENV_VAR, Backend, Selection, backend_class
+from xshard.backends import AUTO_ORDER, ENV_VAR, Backend, Selection, backend_class, cluster
+from xshard.backends.errors import XShardError
 
 #: torchrun's variables, shown when set
 LAUNCH_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -55,6 +56,7 @@ def gather(selection: Selection, backend: Backend) -> dict[str, Any]:
         "visible_devices_env": facts["visible_devices_env"],
         "precision": {"fp32": True, "fp16": facts["fp16"], "bf16": facts["bf16"]},
         "world": {"rank": world.rank, "world_size": world.world_size, "local_rank": world.local_rank},
+        "cluster": cluster_report(),
         "versions": {
             "xshard": xshard.__version__,
             "python": platform.python_version(),
@@ -65,6 +67,24 @@ def gather(selection: Selection, backend: Backend) -> dict[str, Any]:
         "environment": relevant_env(),
         "env_var": ENV_VAR,
     }
+
+
+def cluster_report(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Which environment started this process (torchrun, Slurm, MPI, Kubeflow or none), what it gives
+    and the variables it read; and, for `xshard launch` started once per node by a scheduler, the
+    nodes it would fill in."""
+    env = dict(os.environ if env is None else env)
+    found = cluster.detect(env)
+    report: dict[str, Any] = {"environment": found.name, "summary": found.describe(), "read": found.read}
+    try:
+        placement = cluster.launch_placement(env)
+    except XShardError as exc:  # several tasks on this node: a launcher here would be refused
+        report["launch"] = f"xshard launch here would be refused: {exc}"
+    else:
+        if placement is not None:
+            report["launch"] = (f"xshard launch here: --nnodes {placement.num_nodes} --node_rank {placement.node_rank} "
+                                f"--master_addr {placement.master_addr} --master_port {placement.master_port}")
+    return report
 
 
 _REPORTED = {
@@ -137,6 +157,11 @@ def format_report(report: dict[str, Any]) -> str:
     lines.append(f"dist backend   {dist_backend}  ({avg})")
     world = report["world"]
     lines.append(f"world          rank {world['rank']} of {world['world_size']}, local rank {world['local_rank']}")
+    found = report["cluster"]
+    read = ", ".join(f"{k}={v}" for k, v in found["read"].items()) or "nothing set"
+    lines.append(f"started by     {found['summary']}  (read {read})")
+    if "launch" in found:
+        lines.append(f"{'':<15}{found['launch']}")
     precisions = [name for name, ok in report["precision"].items() if ok]
     lines.append(f"precision      {', '.join(precisions)}")
     lines.append("versions       " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()))

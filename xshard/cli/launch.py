@@ -37,6 +37,7 @@ from typing import Any
 
 from xshard.backends import ENV_VAR, Backend, World, apply_visible_devices, parse_devices, select
 from xshard.backends.launchers import LaunchError, LaunchPlan, LaunchRequest
+from xshard.cli.launch_cluster import with_cluster_defaults
 
 CONFIG_ENV = "XSHARD_CONFIG"
 MIXED_PRECISION_ENV = "XSHARD_MIXED_PRECISION"
@@ -90,7 +91,7 @@ def plan_launch(opts: LaunchOptions, env: Mapping[str, str] | None = None) -> La
     backend's launcher adds what only its kind knows and the command (``Launcher.plan``).
     """
     env = os.environ if env is None else env
-    opts = _with_config_defaults(opts, env)
+    opts = _with_config_defaults(with_cluster_defaults(opts, env), env)
     selection = select(opts.backend, env=dict(env))
     backend = selection.cls(World())
     child_env: dict[str, str] = {ENV_VAR: backend.name}

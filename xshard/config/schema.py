@@ -108,6 +108,8 @@ class XShardConfig:
     state_dict_type: str = _opt("full", "checkpoints: full (one plain model.safetensors), sharded (model rows per "
                                         "rank, no gather): both resume on any world size and stage; local "
                                         "(optimizer as saved per rank): same world size and stage only")
+    async_save: bool = _opt(False, "save_state copies this rank's state to host memory and writes it in the "
+                                   "background (the next save, load_state and end wait for it)")
     sync_module_states: bool = _opt(False, "broadcast rank 0's parameters and buffers before sharding")
     bucket_size_mb: float = _opt(25.0, "all-reduce bucket size at stage 0, in MiB")
     gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step")
@@ -320,7 +322,7 @@ _NORMALISERS: dict[str, Any] = {
     "log_level": _choice(LOG_LEVELS),
 }
 for _name in ("forward_prefetch", "keep_norms_fp32", "offload_params", "offload_optimizer",
-              "activation_checkpointing", "sync_module_states"):
+              "activation_checkpointing", "sync_module_states", "async_save"):
     _NORMALISERS[_name] = parse_bool
 assert set(_NORMALISERS) == set(FIELD_NAMES), "every field needs a normaliser"
 

@@ -1,0 +1,260 @@
+"""Async save: copy this rank's checkpoint state to host memory, return, write the files in the background.
+
+``save_state(..., async_save=True)`` runs the part of a save that needs the other ranks or the live
+tensors in the foreground: the model's gather (a collective) and a copy of everything this rank
+writes into host buffers (``HostStaging``). Training then goes on while a background thread writes
+the same files a blocking save writes (``StagingWriter`` records the files and replays them through
+the same ``FileWriter``), and rank 0's thread commits the checkpoint exactly as a blocking save does:
+the manifest last, then the rename into place (``files.commit``). A crash during the background
+write therefore leaves a ``.tmp`` folder and the previous checkpoint loadable.
+
+Without a collective in the background (one thread of a process group may not interleave its
+collectives with the training loop's), the ranks meet through the checkpoint folder: each rank's
+thread renames its ``fragment.rank<R>.json`` into place when its files are on disk, and rank 0's
+thread commits once every fragment is there. The next ``save_state``, ``load_state`` and
+``Accelerator.end()`` wait for the write (``AsyncSaver.finish``); an error of any rank's write is
+raised there, on every rank, never lost.
+
+Host memory: one copy of what this rank writes (its rows of the optimizer state and, for "full"
+checkpoints on rank 0, the whole model; ``state_dict_type="sharded"`` spreads the model over the
+ranks too). The buffers are kept and reused by the next save of the same sizes; on backends that
+pin host memory (``Backend.pins_host_memory``) they are page-locked once, and the copies from the
+device run asynchronously.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..log import get_logger
+from .files import CheckpointError, FileWriter
+
+if TYPE_CHECKING:
+    from ..job import JobState
+
+log = get_logger("xshard.checkpoint")
+
+#: how often rank 0's thread looks for the other ranks' fragments
+_POLL_SECONDS = 0.05
+#: how long rank 0's thread waits for them when the job has no timeout of its own
+_DEFAULT_WAIT_SECONDS = 1800.0
+
+
+class _OtherRanksFailed(CheckpointError):
+    """Rank 0 could not commit because another rank's background write failed (that rank reports why)."""
+
+
+class HostStaging:
+    """Host copies of tensors, one buffer per distinct storage, reused across saves of the same sizes.
+
+    Tensors that share a storage (views) stay views of one copied storage, with their offsets and
+    strides, so ``torch.save`` of the copies writes the same bytes as of the originals.
+    """
+
+    def __init__(self, buffer: Callable[[int], torch.Tensor]) -> None:
+        self._new_buffer = buffer
+        self._free: dict[int, list[torch.UntypedStorage]] = {}
+        self._used: list[torch.UntypedStorage] = []
+        self._copied: dict[tuple[int, int, str], torch.UntypedStorage] = {}
+        self.bytes_allocated = 0
+
+    def begin(self) -> None:
+        """Start a save: the buffers of the previous one (already written) become free again."""
+        for storage in self._used:
+            self._free.setdefault(storage.nbytes(), []).append(storage)
+        self._used, self._copied = [], {}
+
+    def copy(self, obj: Any) -> Any:
+        """``obj`` (tensors in dicts, lists and tuples) with every tensor copied to host memory and every
+        other leaf deep-copied, so that training may change the originals while the copy is written.
+        An object met twice is copied once (pickle then writes the same references as for ``obj``)."""
+        return self._copy(obj, {})
+
+    def _copy(self, obj: Any, memo: dict[int, Any]) -> Any:
+        done = memo.get(id(obj))
+        if done is not None:
+            return done
+        if isinstance(obj, torch.Tensor):
+            made: Any = self._tensor(obj)
+        elif isinstance(obj, dict):
+            items = [(k, self._copy(v, memo)) for k, v in obj.items()]
+            try:
+                made = type(obj)(items)
+            except TypeError:  # a dict subclass with another constructor
+                made = dict(items)
+        elif type(obj) in (list, tuple):
+            made = type(obj)(self._copy(v, memo) for v in obj)
+        else:
+            made = copy.deepcopy(obj, memo)
+        memo[id(obj)] = made
+        return made
+
+    def _tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        source = tensor.untyped_storage()
+        # Live storages have distinct addresses; empty ones all sit at 0 and are never shared.
+        key = (source.data_ptr(), source.nbytes(), str(source.device))
+        host = self._copied.get(key) if source.nbytes() else None
+        if host is None:
+            host = self._storage(source.nbytes())
+            if source.nbytes():
+                whole = torch.empty(0, dtype=torch.uint8, device=source.device).set_(source, 0, (source.nbytes(),))
+                target = torch.empty(0, dtype=torch.uint8).set_(host, 0, (source.nbytes(),))
+                target.copy_(whole, non_blocking=host.is_pinned())
+            self._copied[key] = host
+        return torch.empty(0, dtype=tensor.dtype).set_(host, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+    def _storage(self, nbytes: int) -> torch.UntypedStorage:
+        free = self._free.get(nbytes)
+        if free:
+            storage = free.pop()
+        else:
+            storage = self._new_buffer(nbytes).untyped_storage()
+            self.bytes_allocated += nbytes
+        self._used.append(storage)
+        return storage
+
+
+class StagingWriter:
+    """``FileWriter``'s interface: records each file with its data copied to host memory, for ``replay``."""
+
+    def __init__(self, rank: int, staging: HostStaging) -> None:
+        self.rank = rank
+        self._staging = staging
+        self._files: list[tuple[str, str, tuple[Any, ...]]] = []
+
+    def safetensors(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+        """Record a safetensors file."""
+        self._files.append(("safetensors", name, (self._staging.copy(tensors), metadata)))
+
+    def torch(self, name: str, obj: Any) -> None:
+        """Record a ``torch.save`` file."""
+        self._files.append(("torch", name, (self._staging.copy(obj),)))
+
+    def text(self, name: str, text: str) -> None:
+        """Record a text file."""
+        self._files.append(("text", name, (text,)))
+
+    def replay(self, writer: FileWriter) -> None:
+        """Write every recorded file, in order, through ``writer``."""
+        for kind, name, args in self._files:
+            getattr(writer, kind)(name, *args)
+
+
+class AsyncSaver:
+    """The background writes of one job: at most one at a time, and the host buffers they reuse."""
+
+    def __init__(self, job: JobState) -> None:
+        self.staging = HostStaging(job.backend.host_buffer)
+        self.rank = job.rank
+        self.world_size = job.world_size
+        timeout = job.config.timeout  # the job's collective timeout: the other ranks' writes get as long
+        self.wait_seconds = float(timeout) if timeout else _DEFAULT_WAIT_SECONDS
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._path: Path | None = None
+        atexit.register(self._report_at_exit)
+
+    @classmethod
+    def of(cls, job: JobState) -> AsyncSaver:
+        """The job's saver (made at its first async save)."""
+        if job.async_saver is None:
+            job.async_saver = cls(job)
+        return job.async_saver
+
+    def start(self, tmp: Path, final: Path, write_files: Callable[[Any], dict[str, Any]],
+              commit: Callable[[], None] | None, synchronize: Callable[[], None]) -> None:
+        """Copy this rank's files to host memory (``write_files`` with a ``StagingWriter``; collectives run
+        here, in the caller's thread), then write them and, on rank 0 (``commit``), commit in the background."""
+        self.staging.begin()
+        writer = StagingWriter(self.rank, self.staging)
+        tables = write_files(writer)
+        synchronize()  # the copies from the device are complete before training changes the tensors
+        self._path, self._error = final, None
+        self._thread = threading.Thread(target=self._write, args=(tmp, writer, tables, commit),
+                                        name=f"xshard-async-save-{final.name}", daemon=False)
+        self._thread.start()
+        log.info("saving %s in the background (%.2f GB of host buffers)", final, self.staging.bytes_allocated / 1e9)
+
+    def _write(self, tmp: Path, staged: StagingWriter, tables: dict[str, Any], commit: Callable[[], None] | None) -> None:
+        try:
+            writer = FileWriter(tmp, self.rank)
+            staged.replay(writer)
+            fragment = tmp / f"fragment.rank{self.rank}.json"
+            part = fragment.with_name(fragment.name + ".part")
+            part.write_text(json.dumps({"files": writer.files, "tables": tables}, default=str))
+            os.replace(part, fragment)  # rank 0 sees a fragment only once it is complete
+            if commit is not None:
+                self._wait_for_fragments(tmp)
+                commit()
+        except BaseException as exc:  # kept for the next call on the training thread
+            self._error = exc
+            if self.rank != 0:  # so that rank 0 stops waiting for this rank's fragment
+                (tmp / f"fragment.rank{self.rank}.failed").touch()
+            if not isinstance(exc, _OtherRanksFailed):
+                log.error("rank %d: the background write of %s failed: %s", self.rank, self._path, exc)
+
+    def _wait_for_fragments(self, tmp: Path) -> None:
+        deadline = time.monotonic() + self.wait_seconds
+        names = [tmp / f"fragment.rank{r}.json" for r in range(self.world_size)]
+        while not all(n.is_file() for n in names):
+            failed = [r for r in range(self.world_size) if (tmp / f"fragment.rank{r}.failed").exists()]
+            if failed:
+                raise _OtherRanksFailed(f"{tmp}: rank(s) {failed} failed to write their files")
+            if time.monotonic() > deadline:
+                missing = [r for r, n in enumerate(names) if not n.is_file()]
+                raise CheckpointError(f"{tmp}: rank(s) {missing} did not finish their files within "
+                                      f"{self.wait_seconds:.0f} s; the checkpoint was not committed")
+            time.sleep(_POLL_SECONDS)
+
+    @property
+    def pending(self) -> bool:
+        """Is a background write started and not yet waited for?"""
+        return self._thread is not None
+
+    def finish(self) -> tuple[Path | None, BaseException | None]:
+        """Wait for the background write; its path and this rank's error (None when it succeeded)."""
+        if self._thread is None:
+            return None, None
+        self._thread.join()
+        path, error = self._path, self._error
+        self._thread, self._error = None, None
+        return path, error
+
+    def _report_at_exit(self) -> None:
+        """A write that failed after the script's last call must not pass unnoticed."""
+        if self._thread is not None:
+            self._thread.join()
+            if self._error is not None:
+                log.error("the background write of %s failed and nothing waited for it (call accelerator.end() "
+                          "at the end of the script): %s", self._path, self._error)
+
+
+def wait(job: JobState, count_failed: Callable[[bool], int]) -> None:
+    """Wait for the job's background write, if any; raise on every rank if any rank's write failed.
+
+    ``count_failed(flag)`` tells how many ranks pass True (a collective every rank calls).
+    """
+    saver = job.async_saver
+    if saver is None or not saver.pending:
+        return
+    path, error = saver.finish()
+    own = error is not None and not isinstance(error, _OtherRanksFailed)
+    failed = count_failed(own)
+    if own:
+        raise CheckpointError(f"the background write of {path} failed: {error}; the previous checkpoint is "
+                              "intact") from error
+    if failed or error is not None:
+        raise CheckpointError(f"{failed} other rank(s) failed to write {path} in the background (their error "
+                              "is in their log); it was not committed and the previous checkpoint is intact")
+    log.info("background save of %s finished", path)
