@@ -262,12 +262,12 @@ def _agree_on_save(job: JobState, final: Path, tmp: Path, error: BaseException |
         return
     if job.is_main_process and tmp.is_dir():
         shutil.rmtree(tmp, ignore_errors=True)
-    job.barrier()
+    where = final.parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    # rank 0's reading of the free space, on every rank: the same line everywhere
+    (free,) = _sum_over_ranks(job, [shutil.disk_usage(where).free if job.is_main_process else 0])
     if full:
-        where = final.parent
-        while not where.exists() and where != where.parent:
-            where = where.parent
-        free = shutil.disk_usage(where).free
         raise CheckpointSaveError(
             f"cannot save the checkpoint {final}: the disk is full (it needs {needed:,} bytes, {free:,} are free "
             f"in {where}); free some space or save to another disk. Nothing of this save was kept; earlier "
@@ -499,7 +499,7 @@ def resume(job: JobState, output_dir: str | os.PathLike, *, missing_ok: bool = F
     complete checkpoint is loaded instead; a checkpoint of another model or job is an error.
     """
     root = Path(output_dir)
-    if (root / MANIFEST).is_file() or foreign.is_foreign_checkpoint(root):
+    if (root / MANIFEST).is_file() or foreign.is_foreign_checkpoint(root) or stand_in(root) is not None:
         candidates = [root]
     else:
         latest = latest_checkpoint(root)  # warns about incomplete ones
