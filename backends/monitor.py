@@ -108,6 +108,13 @@ class CollectiveMonitor:
                 entries[r] = None
         return entries
 
+    def _store_answers(self) -> bool:
+        try:
+            self.store.get(_KEY.format(rank=self.rank))
+            return True
+        except Exception:
+            return False
+
     def dead_ranks(self, entries: dict[int, dict[str, Any] | None], patience: float = 0.0) -> dict[int, str]:
         """Ranks among ``entries`` that died, each with how it is known. On this host: the process is gone
         or a zombie. Elsewhere (only when ``patience`` > 0): its heartbeat did not advance for that many
@@ -137,6 +144,11 @@ class CollectiveMonitor:
         if self.diagnosis is not None and self._diagnosed_for == number:
             return self._diagnosed_dead, self.diagnosis
         entries = self._entries()
+        if entries and all(e is None for e in entries.values()) and not self._store_answers():
+            return True, (f"the process that holds the job's key-value store (the launcher, or rank 0 when the job "
+                          f"was started without one) died while rank {self.rank} waited in collective #{number} "
+                          f"({description}); look at its output for why it ended, then resume from the last "
+                          "checkpoint.")
         dead = self.dead_ranks(entries) or self.dead_ranks(entries, patience=2.5 * HEARTBEAT)
         if dead:
             return True, (f"{_died(dead)} while rank {self.rank} waited in collective #{number} ({description}) "

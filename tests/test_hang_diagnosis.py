@@ -95,7 +95,7 @@ def test_a_rank_that_never_reaches_a_barrier_is_named(where, tmp_path) -> None:
     assert f"rank {waiter} (" not in message  # a rank never lists itself
 
 
-def _killed_peer_worker(rank: int, world: int) -> dict:
+def _killed_peer_worker(rank: int, world: int, victim: int) -> dict:
     import os
     import signal
 
@@ -111,7 +111,7 @@ def _killed_peer_worker(rank: int, world: int) -> dict:
     x = torch.randn(4, 8)
     acc.backward(model(x).pow(2).mean())
     opt.step()
-    if rank == 1:
+    if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)  # the OOM killer, kill -9
     start = time.monotonic()
     try:
@@ -124,8 +124,9 @@ def _killed_peer_worker(rank: int, world: int) -> dict:
     return {"error": None}
 
 
-def test_a_killed_peer_is_named_as_dead_not_as_a_timeout(tmp_path) -> None:
-    # run_workers stops every rank once one exits; here rank 0 must outlive the killed rank 1
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank 1", "rank 0, which holds the store"])
+def test_a_killed_peer_is_named_as_dead_not_as_a_timeout(tmp_path, victim) -> None:
+    # run_workers stops every rank once one exits; here the survivor must outlive the killed rank
     import multiprocessing
 
     import torch
@@ -134,19 +135,24 @@ def test_a_killed_peer_is_named_as_dead_not_as_a_timeout(tmp_path) -> None:
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, _killed_peer_worker, 2, port, str(tmp_path), {"XSHARD_TIMEOUT": "30"},
-                                              (), 120)) for r in range(2)]
+                                              (victim,), 120)) for r in range(2)]
     for p in procs:
         p.start()
-    procs[0].join(120)
+    survivor = 1 - victim
+    procs[survivor].join(120)
     for p in procs:
         if p.is_alive():
             p.kill()
         p.join()
-    assert procs[1].exitcode == -9
-    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert procs[victim].exitcode == -9
+    result = torch.load(tmp_path / f"rank{survivor}.pt", weights_only=False)
     assert result["ok"], result.get("error")
     message = result["result"]["error"]
     assert message is not None and message.startswith("RankDiedError"), message
-    assert "rank 1 died (process " in message and "timed out" not in message.split("(the process group")[0]
-    assert "never arrived" not in message and "rank 0 (" not in message
+    if victim == 1:
+        assert "rank 1 died (process " in message
+    else:  # rank 0's process held the job's store (no launcher here): its death takes the store too
+        assert "the process that holds the job's key-value store" in message and "died" in message
+    assert "timed out" not in message.split("(the process group")[0]
+    assert "never arrived" not in message and f"rank {survivor} (" not in message
     assert result["result"]["seconds"] < 20  # named at once (the timeout is 30 s)
