@@ -71,7 +71,7 @@ def _single_node_on_loopback(args: Any) -> Any:
     store = loopback_store(0 if args.standalone else int(args.master_port))
     args.standalone = False
     args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", f"{_LOOPBACK}:{store.port}", str(uuid.uuid4())
-    args.rdzv_conf = "is_host=false"  # the store above is the host; torchrun's agent joins it
+    args.rdzv_conf = "is_host=false"  # the store above is the host; torchrun's own process joins it
     args.local_addr = _LOOPBACK  # what the ranks get as MASTER_ADDR
     return _ranks_store_on_loopback()
 
