@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveMismatchError, CollectiveTimeoutError
+from .errors import CollectiveMismatchError, CollectiveTimeoutError, RankDiedError
 from .monitor import CollectiveMonitor
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -168,9 +168,10 @@ class Handle:
             except RuntimeError as exc:  # a timeout, or a peer that died mid-collective
                 if monitor is None:
                     raise
-                raise CollectiveTimeoutError(
-                    f"{monitor.diagnosis or monitor.diagnose()} (the process group reported: "
-                    f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
+                reported = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                died, message = monitor.explain_failure(reported)
+                kind = RankDiedError if died else CollectiveTimeoutError
+                raise kind(f"{message} (the process group reported: {reported})") from exc
             finally:
                 if monitor is not None:
                     monitor.done(*self._label)
@@ -305,7 +306,18 @@ class Collectives:
         return self._result(self._broadcast(tensor, src), async_op)
 
     def barrier(self) -> None:
-        """Wait until every rank reaches this point."""
+        """Wait until every rank reaches this point.
+
+        Numbered and watched by the hang monitor like every other collective (not counted in bytes,
+        not part of ``verify_same_collectives``): ``wait_for_everyone``, ``main_process_first`` and the
+        barriers of save/load all come here, so a rank that never arrives is named.
+        """
+        books = self._books
+        books.issued += 1
+        self._barrier().watch(books.monitor, books.issued, "barrier").wait()
+
+    def _barrier(self) -> Handle:
+        return _finished(None)
 
     def verify_same_collectives(self) -> None:
         """Check that every rank issued the same collectives since the last check (then start anew).
@@ -612,8 +624,8 @@ class DistCollectives(Collectives):
         work = dist.broadcast(tensor, src=self._global_ranks[src], group=self.group, async_op=True)
         return Handle([work], tensor)
 
-    def barrier(self) -> None:
-        dist.barrier(group=self.group)
+    def _barrier(self) -> Handle:
+        return Handle([dist.barrier(group=self.group, async_op=True)], None)
 
     def verify_same_collectives(self) -> None:
         """Compare every rank's (count, fingerprint) since the last check with one all-reduce (max of

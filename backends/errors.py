@@ -41,3 +41,8 @@ class CollectiveMismatchError(XShardError, RuntimeError):
 class CollectiveTimeoutError(XShardError, RuntimeError):
     """A collective waited past the process-group timeout (or a peer died in it); the message names the
     ranks that never arrived and where every rank was."""
+
+
+class RankDiedError(XShardError, RuntimeError):
+    """A peer process died (killed, crashed, its node lost) while this rank waited in a collective; the
+    message names the dead rank(s) and the collective this rank waited in."""

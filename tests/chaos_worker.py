@@ -6,7 +6,7 @@ Resumes from the newest complete checkpoint under OUT_DIR if there is one (``mis
 first run has none), trains to ``TOTAL_STEPS`` optimizer steps with a checkpoint every
 ``SAVE_EVERY`` steps (``save_total_limit=2``), and rank 0 finally writes the full weights to
 ``OUT_DIR/final.pt``. Every rank prints ``EVENT <name> <step>`` lines (flushed) so that the driver
-can kill a rank at a chosen moment. After each checkpoint the loop starts a fresh pass over the
+can kill a rank at a chosen moment (rank 0 also as its rotation starts and before each deletion). After each checkpoint the loop starts a fresh pass over the
 loader, in the uninterrupted run and in a resumed one alike, so the two consume the same random
 numbers (dropout is on) and must end bit for bit equal.
 """
@@ -46,6 +46,24 @@ class Net(nn.Module):
         return nn.functional.mse_loss(self.out(h).squeeze(-1), y)
 
 
+def _report_rotation(step: list[int]) -> None:
+    """Rank 0 prints ``EVENT rotate_begin <step>`` as save_total_limit's rotation starts and ``EVENT remove
+    <step>`` before each folder it deletes, so that the driver can kill it mid-rotation."""
+    from xshard.checkpoint import files, state
+
+    rotate, remove_folder = files.rotate, files.remove_folder
+
+    def rotate_reporting(*args, **kwargs):
+        event("rotate_begin", step[0])
+        return rotate(*args, **kwargs)
+
+    def remove_reporting(path):
+        event("remove", step[0])
+        return remove_folder(path)
+
+    state.rotate, files.remove_folder = rotate_reporting, remove_reporting
+
+
 def main(out: Path) -> None:
     import xshard
 
@@ -61,6 +79,8 @@ def main(out: Path) -> None:
     event("load_begin", 0)
     acc.load_state(out, resume_from_checkpoint=True, missing_ok=True)
     event("loaded", acc.step)
+    step = [acc.step]
+    _report_rotation(step)
     while acc.step < TOTAL_STEPS:
         while True:  # one segment: fresh passes over the loader until the next multiple of SAVE_EVERY
             for xb, yb in loader:
@@ -74,6 +94,7 @@ def main(out: Path) -> None:
             if acc.step % SAVE_EVERY == 0:
                 break
         event("save_begin", acc.step)
+        step[0] = acc.step
         acc.save_state(out / f"checkpoint-{acc.step}", save_total_limit=2)
         event("saved", acc.step)
     weights = model.full_state_dict()

@@ -1,7 +1,11 @@
 """Chaos: a random rank of a 2-rank training job is SIGKILLed at a random moment (starting, loading,
 training, mid-save, mid-rotation), again and again; after every kill the latest complete checkpoint
 verifies file by file, the next run resumes from exactly that one, and the run that finally
-completes ends bit for bit equal to an uninterrupted one.
+completes ends bit for bit equal to an uninterrupted one. The output folder also holds the user's
+files (a log, notes), which every kill leaves as they were.
+
+Every other trial's first kill, and a quarter of the others, aim at save_total_limit's rotation: rank
+0 is killed within a few milliseconds of starting it or of starting to delete an old checkpoint.
 
 ``make test`` runs a few trials; ``XSHARD_CHAOS_TRIALS=200`` runs more (``XSHARD_CHAOS_SEED`` picks
 the random plan, ``XSHARD_CHAOS_REPORT=path.json`` writes the outcome of every trial).
@@ -125,17 +129,39 @@ def _tmp_folders(out: Path) -> set[tuple[str, int]]:
     return found
 
 
-def _killed_run(out: Path, logs: Path, rng: random.Random) -> dict:
-    """One run with one rank SIGKILLed at a random moment; returns what happened."""
+_USER_FILES = {"train.log": "step 3 loss 0.41\n", "notes/run.md": "lr 1e-2, kept by hand\n"}
+
+
+def _add_user_files(out: Path) -> None:
+    for name, text in _USER_FILES.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+
+
+def _user_files_intact(out: Path) -> bool:
+    return all((out / name).is_file() and (out / name).read_text() == text for name, text in _USER_FILES.items())
+
+
+def _killed_run(out: Path, logs: Path, rng: random.Random, aim_at_rotation: bool = False) -> dict:
+    """One run with one rank SIGKILLed at a random moment (``aim_at_rotation``: in a rotation);
+    returns what happened."""
     resume_step = _checkpoint_step(out)
     victim = rng.randrange(2)
     leftovers = _tmp_folders(out)
     job = Job(out, logs)
     ahead = _events_ahead(resume_step)
     family = rng.random()
-    if family < 0.2:  # a moment anywhere, start-up included
+    rotations = [("rotate_begin", s) for n, s in ahead if n == "save_begin"]
+    if family < 0.2 and not aim_at_rotation:  # a moment anywhere, start-up included
         name, step = "after_start", 0
         time.sleep(rng.uniform(0.0, 4.0))
+    elif (aim_at_rotation or family > 0.75) and rotations:  # rank 0 within milliseconds of starting a rotation or a deletion in it
+        victim = 0
+        name, step = rng.choice(rotations)
+        if rng.random() < 0.5 and step >= 3 * SAVE_EVERY:  # from the third save on, a rotation deletes one
+            name = "remove"
+        job.wait_for(0, name, step, timeout=120)
+        time.sleep(rng.choice([0.0, rng.uniform(0.0, 0.002), rng.uniform(0.0, 0.01)]))
     else:  # an event of either rank (40%: the start of a save), then a random part of what follows it
         saves = [e for e in ahead if e[0] == "save_begin"]
         name, step = rng.choice(saves) if family < 0.6 and saves else rng.choice(ahead)
@@ -143,14 +169,18 @@ def _killed_run(out: Path, logs: Path, rng: random.Random) -> dict:
         time.sleep(rng.choice([0.0, rng.uniform(0.0, 0.005), rng.uniform(0.0, 0.05), rng.uniform(0.0, 0.2)]))
     mid_save = bool(_tmp_folders(out) - leftovers)  # a save of this run was under way
     killed = job.kill(victim)
+    with job.cond:
+        begun = {s for r, n, s in job.events if r == 0 and n == "rotate_begin"}
+        ended = {s for r, n, s in job.events if r == 0 and n == "saved"}
     codes = job.wait(timeout=15)  # the survivor fails on its own once it meets its peer in a collective
     survivor = 1 - victim
     outcome = {"resume_step": resume_step, "victim": victim, "at": f"{name} {step}", "killed": killed,
-               "mid_save": mid_save,
+               "mid_save": mid_save, "mid_rotation": killed and victim == 0 and bool(begun - ended),
                "survivor_exit": codes[survivor], "survivor_exited_by_itself": codes[survivor] is not None}
     job.stop()
     outcome["checkpoint_step_after"] = _checkpoint_step(out)
     outcome["tmp_left"] = sorted(p.name for p in out.iterdir() if p.name.endswith((".tmp", ".deleted")))
+    outcome["user_files_intact"] = _user_files_intact(out)
     return outcome
 
 
@@ -176,9 +206,12 @@ def test_kills_at_random_moments_never_cost_the_run(tmp_path):
     for trial in range(TRIALS):
         out = tmp_path / f"trial{trial}"
         out.mkdir()
+        _add_user_files(out)
         kills = []
         for run in range(rng.randint(1, KILLS_PER_TRIAL)):
-            kills.append(_killed_run(out, tmp_path / "logs" / f"trial{trial}.run{run}", rng))
+            # every other trial's first kill aims at a rotation; any other kill may too
+            kills.append(_killed_run(out, tmp_path / "logs" / f"trial{trial}.run{run}", rng,
+                                     aim_at_rotation=run == 0 and trial % 2 == 0))
             if (out / "final.pt").exists():  # the kill came after the end: nothing left to resume
                 break
         expected = _checkpoint_step(out)
@@ -189,12 +222,14 @@ def test_kills_at_random_moments_never_cost_the_run(tmp_path):
         final = torch.load(out / "final.pt", weights_only=True)
         assert final.keys() == reference.keys()
         assert all(torch.equal(final[k], v) for k, v in reference.items()), (trial, kills)  # bit for bit
+        assert all(k["user_files_intact"] for k in kills) and _user_files_intact(out), (trial, kills)
         trials.append({"trial": trial, "kills": kills, "resumed_from": loaded})
 
     where = collections.Counter(k["at"].split()[0] for t in trials for k in t["kills"])
     summary = {"trials": TRIALS, "seed": SEED, "kills": sum(len(t["kills"]) for t in trials),
                "kill_points": dict(where),
                "killed_mid_save": sum(k["mid_save"] for t in trials for k in t["kills"]),
+               "killed_mid_rotation": sum(k["mid_rotation"] for t in trials for k in t["kills"]),
                "survivor_exited_by_itself": sum(k["survivor_exited_by_itself"] for t in trials for k in t["kills"]),
                "runs_all_equal_reference": True}
     print(json.dumps(summary))

@@ -118,3 +118,59 @@ def test_bad_checkpoints_fail_clearly_on_every_rank_and_change_nothing(tmp_path)
         "truncated"]
     assert "other rank(s) could not read this checkpoint" in r0["truncated"]
     assert "optimizer.rank0.safetensors is corrupted" in r0["flipped"] and "sha256" in r0["flipped"]
+
+
+def _disk_full_worker(rank, world_size, out):
+    import errno
+
+    from xshard.checkpoint import files
+    from xshard.checkpoint.files import CheckpointSaveError
+
+    acc, model, opt, loader, sched = _job(world_size, state_dict_type="sharded")
+    _steps(acc, model, opt, loader, sched, 1)
+    acc.save_state(os.path.join(out, "checkpoint-1"))
+    saved = _plain(model)
+    _steps(acc, model, opt, loader, sched, 1)
+    if rank == 1:  # only this rank's disk fills up: after 2000 bytes of the next save
+        budget = [2000]
+
+        class Limited:
+            def __init__(self, f):
+                self.f = f
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+            def write(self, data):
+                size = len(memoryview(data).cast("B"))
+                if size > budget[0]:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                budget[0] -= size
+                return self.f.write(data)
+
+            def __getattr__(self, name):
+                return getattr(self.f, name)
+
+        files.open = lambda path, mode="r", **kw: Limited(open(path, mode, **kw))
+    try:
+        acc.save_state(os.path.join(out, "checkpoint-2"))
+        error = None
+    except CheckpointSaveError as exc:
+        error = str(exc)
+    files.__dict__.pop("open", None)
+    acc.load_state(os.path.join(out, "checkpoint-1"))
+    state = _plain(model)
+    return error, sorted(os.listdir(out)), all(torch.equal(saved[k], v) for k, v in state.items())
+
+
+def test_a_disk_full_on_one_rank_stops_every_rank_with_one_line_and_leaves_no_tmp(tmp_path):
+    results = run_workers(_disk_full_worker, 2, str(tmp_path), timeout=180)
+    for rank, (error, left, reloaded) in enumerate(results):
+        assert error is not None and "\n" not in error, rank
+        assert error.startswith(f"cannot save the checkpoint {tmp_path / 'checkpoint-2'}: the disk is full (it needs ")
+        assert "bytes, " in error and " are free in " in error and "earlier checkpoints are intact" in error
+        assert left == ["checkpoint-1"] and reloaded, (rank, left)
+    assert results[0][0] == results[1][0]  # the same line on every rank

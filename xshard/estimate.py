@@ -142,13 +142,26 @@ def parse_memory(text: str) -> int:
     number, unit = float(match.group(1)), (match.group(2) or "").upper()
     scale = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    if int(number * scale) < 1:
+        raise EstimateError(f"device memory {text!r} is no memory at all; write the device's size, e.g. 64GB")
     return int(number * scale)
 
 
 def _need(config: dict[str, Any], key: str, where: str) -> int:
-    if not isinstance(config.get(key), int):
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
         raise EstimateError(f"{where}: missing integer '{key}' (a Hugging Face decoder config.json has it)")
-    return config[key]
+    if value < 1:
+        raise EstimateError(f"{where}: '{key}' is {value}, an impossible size; fix the config.json (a size is at "
+                            "least 1)")
+    return value
+
+
+def _positive(config: dict[str, Any], key: str, where: str) -> int | None:
+    """An optional size (``head_dim``, ``num_key_value_heads``): None when absent, an error when impossible."""
+    if config.get(key) is None:
+        return None
+    return _need(config, key, where)
 
 
 def _shape(config: dict[str, Any], where: str) -> dict[str, Any]:
@@ -157,7 +170,8 @@ def _shape(config: dict[str, Any], where: str) -> dict[str, Any]:
     model_type = config.get("model_type", "?")
     return {
         "num_layers": _need(config, "num_hidden_layers", where), "hidden_size": h, "num_heads": heads,
-        "num_kv_heads": config.get("num_key_value_heads") or heads, "head_dim": config.get("head_dim") or h // heads,
+        "num_kv_heads": _positive(config, "num_key_value_heads", where) or heads,
+        "head_dim": _positive(config, "head_dim", where) or max(1, h // heads),
         "intermediate_size": _need(config, "intermediate_size", where), "vocab_size": _need(config, "vocab_size", where),
         "model_type": model_type, "architecture": (config.get("architectures") or [model_type])[0],
     }

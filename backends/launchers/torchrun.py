@@ -2,20 +2,28 @@
 
 It runs inside the launcher's process, so a failure is reported with the rank that died and that
 rank's own exit code (torchrun alone exits 1 whatever the worker's code was). When one rank fails,
-torchrun stops the others; nothing is left waiting in a collective. One node uses a private
-rendezvous on a free port unless ``--master_port`` is given; several nodes use the static rendezvous
-at ``--master_addr:--master_port`` with ``--node_rank``. Each worker starts behind the parent-death
-guard, which then runs the script exactly as torchrun would (``python -u script ...``).
+torchrun stops the others; nothing is left waiting in a collective. Each worker starts behind the
+parent-death guard, which then runs the script exactly as torchrun would (``python -u script ...``).
+
+What listens where. A TCPStore has no authentication: whoever reaches its port can read and write
+the job's keys. So a single-node job (no ``--master_port``, or one on a loopback ``--master_addr``)
+binds both of its stores to 127.0.0.1 and nothing else: the rendezvous store, created here on a free
+port (or the given one), and the store the ranks share (``MASTER_ADDR``/``MASTER_PORT``), which
+torchrun's ``--standalone`` would open on every interface. Several nodes use the static rendezvous
+at ``--master_addr:--master_port`` with ``--node_rank``: node 0's store listens on that port of every
+interface, as it must for the other nodes to reach it; keep that port inside a trusted network.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Mapping
+import uuid
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .base import GUARD, Launcher, LaunchError, LaunchPlan, LaunchRequest, exit_code
@@ -30,6 +38,61 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_LOOPBACK = "127.0.0.1"
+
+
+def loopback_store(port: int = 0) -> Any:
+    """A TCPStore server that listens on 127.0.0.1 only (``port`` 0: a free one); ``.port`` says which.
+
+    TCPStore itself binds every interface, so the socket is bound here and handed over
+    (``master_listen_fd``); it stays open as long as the store lives.
+    """
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((_LOOPBACK, port))
+    sock.listen(1024)
+    store = TCPStore(_LOOPBACK, sock.getsockname()[1], is_master=True, master_listen_fd=sock.fileno(),
+                     multi_tenant=True, wait_for_workers=False)
+    _KEEP_OPEN.append((store, sock))
+    return store
+
+
+_KEEP_OPEN: list[Any] = []
+
+
+def _single_node_on_loopback(args: Any) -> Any:
+    """For a single-node job (``--standalone``, or one node at a loopback ``--master-addr``), turn
+    torchrun's parsed options into a c10d rendezvous whose store listens on 127.0.0.1 only (the given
+    port, or a free one), and return the context under which the ranks' store does too; for any
+    other job, a context that changes nothing."""
+    static_here = (str(args.nnodes) == "1" and args.rdzv_backend == "static"
+                   and args.master_addr in (_LOOPBACK, "localhost"))
+    if not (args.standalone or static_here):
+        return contextlib.nullcontext()
+    store = loopback_store(0 if args.standalone else int(args.master_port))
+    args.standalone = False
+    args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", f"{_LOOPBACK}:{store.port}", str(uuid.uuid4())
+    args.rdzv_conf = "is_host=false"  # the store above is the host; torchrun's own process joins it
+    args.local_addr = _LOOPBACK  # what the ranks get as MASTER_ADDR
+    return _ranks_store_on_loopback()
+
+
+@contextlib.contextmanager
+def _ranks_store_on_loopback() -> Iterator[None]:
+    """torchrun's dynamic rendezvous opens the store the ranks share with ``TCPStore(is_master=True)``
+    on every interface; while this block runs it opens it on 127.0.0.1 instead."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    original = DynamicRendezvousHandler._create_tcp_store_server
+    DynamicRendezvousHandler._create_tcp_store_server = lambda self, addr, port: loopback_store(port)
+    try:
+        yield
+    finally:
+        DynamicRendezvousHandler._create_tcp_store_server = original
 
 
 class TorchrunLauncher(Launcher):
@@ -69,7 +132,7 @@ class TorchrunLauncher(Launcher):
             with tempfile.TemporaryDirectory(prefix="xshard-run-") as run_dir, env_override(**{
                 PARENT_ENV: str(os.getpid()),
                 RESUME_FILE_ENV: os.environ.get(RESUME_FILE_ENV) or os.path.join(run_dir, "checkpoint-folder"),
-            }):
+            }), _single_node_on_loopback(args):
                 run(args)
         except ChildFailedError as exc:
             code, message = failure_report(exc.failures)
@@ -89,7 +152,7 @@ class TorchrunLauncher(Launcher):
 def _torchrun_options(request: LaunchRequest) -> list[str]:
     args = [f"--nproc-per-node={request.nproc}", f"--max-restarts={request.max_restarts}"]
     if request.nnodes == 1 and request.master_port is None:
-        args.append("--standalone")  # private c10d rendezvous on a free port
+        args.append("--standalone")  # private c10d rendezvous on a free port (on 127.0.0.1: see run)
         return args
     port = request.master_port
     if port == 0:

@@ -190,6 +190,8 @@ class AsyncSaver:
         try:
             writer = FileWriter(tmp, self.rank)
             staged.replay(writer)
+            if writer.no_space is not None:  # the writer only counted what did not fit: nothing to commit
+                raise writer.no_space
             fragment = tmp / f"fragment.rank{self.rank}.json"
             part = fragment.with_name(fragment.name + ".part")
             part.write_text(json.dumps({"files": writer.files, "tables": tables}, default=str))

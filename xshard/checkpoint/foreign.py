@@ -18,8 +18,8 @@ Accelerate's (``accelerate/utils/fsdp_utils.py`` ``save_fsdp_model`` / ``save_fs
 Everything is read by rows (``sources.py``), as xshard's own checkpoints are, so any world size
 and stage resume it: a DCP folder through DCP's own reader, asked for this rank's rows only, a
 ``.bin`` file memory-mapped and read with ``torch.load(weights_only=True)`` (numpy's RNG arrays
-allowed). A DCP folder's ``.metadata`` is a pickle that torch itself unpickles, so load only folders
-you trust, as with Accelerate. Data loader positions (``sampler.bin``: a pickled sampler object) are not read: the
+allowed). A DCP folder's ``.metadata`` pickle is read with only DCP's metadata types allowed
+(``dcp_metadata.py``), so a crafted folder runs no code. Data loader positions (``sampler.bin``: a pickled sampler object) are not read: the
 loaders start at the beginning of their epoch, as after Accelerate's own ``load_state``, and a log
 line says so. FSDP's LOCAL_STATE_DICT (flattened per-rank shards only FSDP can read) is refused.
 """

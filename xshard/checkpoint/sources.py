@@ -5,8 +5,8 @@ They are ``formats.TensorSource`` objects, so a foreign checkpoint goes through 
 and optimizer checks as xshard's own. A DCP folder is read through a load planner that asks DCP for
 exactly this rank's rows of each tensor, resharded from however the saving ranks held them, in this
 process alone (``no_dist``: no collective, whatever process group is running); its non-tensor items
-go through ``torch.load(weights_only=True)``. Its ``.metadata`` file is a pickle that torch itself
-unpickles, so read only folders you trust.
+go through ``torch.load(weights_only=True)``. Its ``.metadata`` pickle is read with only DCP's
+metadata types allowed (``dcp_metadata.py``): no code from the folder runs.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .dcp_metadata import read_metadata, safe_reader
 from .files import CheckpointError
 
 
@@ -66,12 +67,11 @@ class DcpSource(DictSource):
     ``("optimizer", "state")``), named as the state dict names them, read by rows."""
 
     def __init__(self, folder: Path, prefix: tuple[str, ...]) -> None:
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.folder = folder
         try:
-            self.metadata = FileSystemReader(str(folder)).read_metadata()
+            self.metadata = read_metadata(folder)
         except Exception as exc:
             raise CheckpointError(f"{folder}: not a readable torch.distributed.checkpoint folder ({exc})") from exc
         self.by_name: dict[str, str] = {}  # our name -> DCP's flattened key
@@ -105,7 +105,7 @@ class DcpSource(DictSource):
 
 def _dcp_read(folder: Path, rows: dict[str, tuple[int, int]], byte_keys: list[str]) -> dict[str, Any]:
     """Rows ``[start, stop)`` of DCP tensors and whole byte items, read in this process alone."""
-    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -154,7 +154,7 @@ def _dcp_read(folder: Path, rows: dict[str, tuple[int, int]], byte_keys: list[st
     try:
         with warnings.catch_warnings():  # this rank reads alone on purpose: no_dist
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            load({}, storage_reader=FileSystemReader(str(folder)), planner=planner, no_dist=True)
+            load({}, storage_reader=safe_reader(folder), planner=planner, no_dist=True)
     except Exception as exc:
         raise CheckpointError(f"{folder}: cannot read {sorted(rows) or sorted(byte_keys)} ({exc})") from exc
     return planner.out

@@ -32,9 +32,12 @@ any checkpoint exists). A folder written by Accelerate for an FSDP model loads t
 
 from __future__ import annotations
 
+import copy
+import errno
 import json
 import os
 import random
+import shutil
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,12 +50,13 @@ from . import foreign, formats
 from .files import (
     FORMAT_VERSION,
     MANIFEST,
-    OLD_SUFFIX,
     TMP_SUFFIX,
     CheckpointError,
     CheckpointMismatchError,
+    CheckpointSaveError,
     FileWriter,
     begin,
+    check_destination,
     commit,
     complete_checkpoints,
     latest_checkpoint,
@@ -60,6 +64,8 @@ from .files import (
     near_name,
     read_manifest,
     rotate,
+    series,
+    stand_in,
     write_manifest,
 )
 from .progress import slow_progress
@@ -122,6 +128,19 @@ def _set_rng_state(job: JobState, state: dict[str, Any]) -> None:
         np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
+class _RngStates:
+    """The job's RNG states as an object with a state dict (so that a load can put them back)."""
+
+    def __init__(self, job: JobState) -> None:
+        self.job = job
+
+    def state_dict(self) -> dict[str, Any]:
+        return _rng_state(self.job)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _set_rng_state(self.job, state)
+
+
 def _model_config(model: Any) -> str | None:
     config = getattr(getattr(model, "module", model), "config", None)
     to_json = getattr(config, "to_json_string", None)
@@ -133,16 +152,21 @@ def save_state(job: JobState, directory: str | os.PathLike, state_dict_type: str
     """Write the job's state to ``directory`` (every rank calls this); returns the final path.
 
     ``state_dict_type``: "full", "local" or "sharded" (default: the config's). ``save_total_limit``:
-    afterwards keep only that many complete checkpoints in ``directory``'s parent folder, deleting the
-    oldest (never the one just written). ``async_save``: return once this rank's state is copied to
-    host memory and write it in the background (``async_save.py``); a save still being written is
-    waited for first.
+    afterwards keep only that many complete checkpoints of ``directory``'s numbered series
+    (``checkpoint-<n>``) in its parent folder, deleting the oldest (never the one just written).
+    Files in ``directory`` that xshard did not write are kept; one that a checkpoint file would
+    overwrite is refused before anything is written. A full disk is one ``CheckpointSaveError`` on
+    every rank naming the folder, the bytes needed and free; nothing of the save is left behind.
+    ``async_save``: return once this rank's state is copied to host memory and write it in the
+    background (``async_save.py``); a save still being written is waited for first.
     """
     wait_for_background_save(job)
     kind = state_dict_type or job.config.state_dict_type
     if kind not in formats.STATE_DICT_TYPES:
         raise ValueError(f"state_dict_type={kind!r}: use one of {', '.join(formats.STATE_DICT_TYPES)}")
     final = Path(directory)
+    if save_total_limit is not None:
+        _check_rotation(final, save_total_limit)
     if job.micro_step != 0:
         warnings.warn(
             f"save_state({str(final)!r}) inside an accumulation window ({job.micro_step} of "
@@ -151,28 +175,63 @@ def save_state(job: JobState, directory: str | os.PathLike, state_dict_type: str
             "at the end of a window (when accelerator.sync_gradients is True) to resume exactly.",
             stacklevel=3,
         )
-    tmp = begin(final, job.is_main_process)
-    job.barrier()
+    check_destination(final)  # every rank sees the same folder, unchanged until the first agreement
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    writer = FileWriter(tmp, job.rank)
+    error: BaseException | None = None
+    try:
+        begin(final, job.is_main_process)
+    except OSError as exc:
+        error = exc
+    _agree_on_save(job, final, tmp, error, writer)
     job.backend.mark_step()  # compiled devices: materialise pending updates before reading tensors
     head = _manifest_head(job, kind)  # the job as it is now (the background commit runs later)
     if async_save:
-        commit = (lambda: _commit(tmp, final, head, job.world_size, save_total_limit)) if job.is_main_process else None
-        background.AsyncSaver.of(job).start(tmp, final, lambda writer: _write_files(job, writer, kind), commit,
-                                            job.backend.synchronize)
+        background_commit = ((lambda: _commit(tmp, final, head, job.world_size, save_total_limit))
+                             if job.is_main_process else None)
+        background.AsyncSaver.of(job).start(tmp, final, lambda staged: _write_files(job, staged, kind),
+                                            background_commit, job.backend.synchronize)
         return final
 
-    with slow_progress(f"saving {final.name}") as bar:
-        writer = FileWriter(tmp, job.rank, on_bytes=bar.update)
-        tables = _write_files(job, writer, kind)
-    # Each rank's file list and row tables travel to rank 0 through the shared folder.
-    fragment = tmp / f"fragment.rank{job.rank}.json"
-    fragment.write_text(json.dumps({"files": writer.files, "tables": tables}, default=str))
-    job.barrier()
+    tables: dict[str, Any] = {}
+    try:
+        with slow_progress(f"saving {final.name}") as bar:
+            writer.on_bytes = bar.update
+            tables = _write_files(job, writer, kind)
+        # Each rank's file list and row tables travel to rank 0 through the shared folder.
+        if writer.no_space is None:
+            (tmp / f"fragment.rank{job.rank}.json").write_text(
+                json.dumps({"files": writer.files, "tables": tables}, default=str))
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            writer.no_space = exc
+        else:
+            error = exc
+    _agree_on_save(job, final, tmp, error, writer)
 
     if job.is_main_process:
-        _commit(tmp, final, head, job.world_size, save_total_limit)
+        try:
+            write_manifest(tmp, _manifest(head, tmp, job.world_size))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            writer.no_space = exc
+    _agree_on_save(job, final, tmp, None, writer)
+    if job.is_main_process:
+        _commit_and_rotate(tmp, final, kind, save_total_limit)
     job.barrier()
     return final
+
+
+def _check_rotation(final: Path, save_total_limit: int) -> None:
+    """Refuse, before writing, a ``save_total_limit`` that rotation cannot honour."""
+    if isinstance(save_total_limit, bool) or not isinstance(save_total_limit, int) or save_total_limit < 1:
+        raise ValueError(f"save_total_limit={save_total_limit!r}: keep at least 1 checkpoint (or None for no "
+                         "rotation)")
+    if series(final.name) is None:
+        raise ValueError(f"save_total_limit={save_total_limit} rotates numbered checkpoint folders, and "
+                         f"{final.name!r} has no number at its end: save to e.g. {final.parent / 'checkpoint-500'}, "
+                         "or drop save_total_limit")
 
 
 def _manifest_head(job: JobState, kind: str) -> dict[str, Any]:
@@ -190,8 +249,8 @@ def _manifest_head(job: JobState, kind: str) -> dict[str, Any]:
     }
 
 
-def _commit(tmp: Path, final: Path, head: dict[str, Any], world_size: int, save_total_limit: int | None) -> None:
-    """Rank 0, once every rank's files and fragment are in ``tmp``: the manifest, the commit, the rotation."""
+def _manifest(head: dict[str, Any], tmp: Path, world_size: int) -> dict[str, Any]:
+    """Rank 0: the manifest, ``head`` with every rank's fragment (files and row tables)."""
     files: dict[str, Any] = {}
     parts: dict[str, list[dict[str, Any]]] = {}
     for rank in range(world_size):
@@ -201,22 +260,57 @@ def _commit(tmp: Path, final: Path, head: dict[str, Any], world_size: int, save_
         files.update(part["files"])
         for name, table in part["tables"].items():
             parts.setdefault(name, []).append(table)
-    manifest = {
+    return {
         **head,
         "tables": {name: formats.merge_tables(p) for name, p in parts.items()},
         "files": files,
     }
-    write_manifest(tmp, manifest)
+
+
+def _commit_and_rotate(tmp: Path, final: Path, kind: str, save_total_limit: int | None) -> None:
+    """Rank 0, once the manifest is in ``tmp``: the commit, then the rotation."""
     commit(tmp, final)
-    log.info("saved %s checkpoint to %s", head["state_dict_type"], final)
+    log.info("saved %s checkpoint to %s", kind, final)
     if save_total_limit is not None:
         for path in rotate(final.parent, save_total_limit, final):
             log.info("deleted old checkpoint %s (save_total_limit=%d)", path, save_total_limit)
 
 
+def _commit(tmp: Path, final: Path, head: dict[str, Any], world_size: int, save_total_limit: int | None) -> None:
+    """Rank 0's background thread, once every rank's files and fragment are in ``tmp``: the manifest,
+    the commit, the rotation (an error is kept by the saver and raised at the next call)."""
+    write_manifest(tmp, _manifest(head, tmp, world_size))
+    _commit_and_rotate(tmp, final, head["state_dict_type"], save_total_limit)
+
+
 def wait_for_background_save(job: JobState) -> None:
     """Wait for an async save of this job still being written; raise its error on every rank if it failed."""
     background.wait(job, lambda failed: _ranks_where(job, failed)[0])
+
+
+def _agree_on_save(job: JobState, final: Path, tmp: Path, error: BaseException | None, writer: FileWriter) -> None:
+    """Every rank learns whether any rank failed its part of the save (this replaces a barrier): then
+    rank 0 removes the ``.tmp`` folder and every rank raises, a full disk as one line with the bytes
+    the checkpoint needs (all ranks' files) and the bytes free."""
+    failed, full, needed = _sum_over_ranks(job, [error is not None, writer.no_space is not None, writer.bytes_needed])
+    if not failed and not full:
+        return
+    if job.is_main_process and tmp.is_dir():
+        shutil.rmtree(tmp, ignore_errors=True)
+    where = final.parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    # rank 0's reading of the free space, on every rank: the same line everywhere
+    (free,) = _sum_over_ranks(job, [shutil.disk_usage(where).free if job.is_main_process else 0])
+    if full:
+        raise CheckpointSaveError(
+            f"cannot save the checkpoint {final}: the disk is full (it needs {needed:,} bytes, {free:,} are free "
+            f"in {where}); free some space or save to another disk. Nothing of this save was kept; earlier "
+            "checkpoints are intact") from writer.no_space
+    if error is not None:
+        raise error
+    raise CheckpointSaveError(f"cannot save the checkpoint {final}: {failed} other rank(s) failed to write their "
+                              "part (their error is in their log); nothing of this save was kept")
 
 
 def _write_files(job: JobState, writer: FileWriter, kind: str) -> dict[str, Any]:
@@ -306,6 +400,15 @@ def _ranks_where(job: JobState, *flags: bool) -> list[int]:
     return [int(c) for c in count.tolist()]
 
 
+def _sum_over_ranks(job: JobState, values: list[int]) -> list[int]:
+    """Each value summed over the ranks, exactly (int64: byte counts), the same answer on every rank."""
+    if job.world_size == 1:
+        return [int(v) for v in values]
+    total = torch.tensor([int(v) for v in values], dtype=torch.int64, device=job.backend.device())
+    job.backend.collectives.all_reduce(total, op="sum")
+    return [int(v) for v in total.tolist()]
+
+
 def _agree(job: JobState, error: BaseException | None, root: Path) -> None:
     """Every rank learns whether any rank failed to read the checkpoint, so all raise or none does,
     and all raise the same kind of error (a mismatch with the job, or a bad or missing file)."""
@@ -336,8 +439,8 @@ def load_state(job: JobState, directory: str | os.PathLike, *, missing_ok: bool 
     """
     wait_for_background_save(job)
     root = Path(directory)
-    old = root.with_name(root.name + OLD_SUFFIX)
-    if not root.exists() and (old / MANIFEST).is_file():  # a crash between the two renames of commit()
+    old = stand_in(root)
+    if old is not None and not foreign.is_foreign_checkpoint(root):  # a crash while commit() replaced it
         root = old
     if missing_ok and not _present_everywhere(job, root.exists(), root):
         log.info("no checkpoint at %s (missing_ok=True): starting from scratch", root)
@@ -353,7 +456,7 @@ def load_state(job: JobState, directory: str | os.PathLike, *, missing_ok: bool 
         if error is not exc:
             error.__cause__ = exc
     _agree(job, error, root)
-    _apply(job, plan)
+    _apply(job, plan, root)
     job.barrier()
     log.info("resumed from %s (step %d)", root, job.step)
     return root
@@ -380,27 +483,45 @@ def _read_custom(job: JobState, root: Path, manifest: dict[str, Any], on_bytes: 
     return [load_torch(root, _custom_name(i), manifest, on_bytes) for i in range(saved)]
 
 
-def _apply(job: JobState, plan: dict[str, Any]) -> None:
-    """Put a checked plan into the job's objects (parts a foreign checkpoint lacks are None: kept)."""
+def _apply(job: JobState, plan: dict[str, Any], root: Path) -> None:
+    """Put a checked plan into the job's objects (parts a foreign checkpoint lacks are None: kept).
+
+    All or nothing: the small objects (schedulers, data loaders, scaler, registered objects) go first,
+    each one's state kept beforehand; if any rank cannot take its part (a state dict its object
+    refuses), every rank puts those back and raises, before any model or optimizer changed.
+    """
     from ..sharding.state_dict import load_local_pieces
 
+    small = [*zip(job.schedulers, plan.get("schedulers") or [None] * len(job.schedulers), strict=True),
+             *zip(job.loaders, plan.get("data") or [None] * len(job.loaders), strict=True),
+             *zip(job.custom_objects, plan.get("custom") or [], strict=False)]
+    if job.scaler is not None and plan.get("scaler") is not None:
+        small.append((job.scaler, plan["scaler"]))
+    small.append((_RngStates(job), plan.get("rng")))
+    small = [(obj, state) for obj, state in small if state is not None]
+    kept = [copy.deepcopy(obj.state_dict()) for obj, _ in small]
+    error: BaseException | None = None
+    done = 0
+    try:
+        for obj, state in small:
+            obj.load_state_dict(state)
+            done += 1
+    except Exception as exc:
+        error = CheckpointError(f"{root}: the checkpoint's state of {type(small[done][0]).__name__} cannot be "
+                                f"loaded into it ({exc}); nothing was loaded")
+        error.__cause__ = exc
+        log.error("rank %d cannot load %s: %s", job.rank, root, error)
+    try:
+        _agree(job, error, root)
+    except CheckpointError:
+        for (obj, _), state in zip(small[:done], kept, strict=False):
+            obj.load_state_dict(state)
+        raise
     for model, rows in zip(job.models, plan["models"], strict=True):
         load_local_pieces(model, rows)
     for opt, state in zip(job.optimizers, plan["optimizers"], strict=True):
         if state is not None:
             opt.load_state_dict(state)
-    for sched, state in zip(job.schedulers, plan.get("schedulers") or [None] * len(job.schedulers), strict=True):
-        if state is not None:
-            sched.load_state_dict(state)
-    for loader, state in zip(job.loaders, plan.get("data") or [None] * len(job.loaders), strict=True):
-        if state is not None:
-            loader.load_state_dict(state)
-    if job.scaler is not None and plan.get("scaler") is not None:
-        job.scaler.load_state_dict(plan["scaler"])
-    for obj, state in zip(job.custom_objects, plan.get("custom") or [], strict=False):
-        obj.load_state_dict(state)
-    if plan.get("rng") is not None:
-        _set_rng_state(job, plan["rng"])
     job.micro_step = int(plan.get("micro_step", 0))
     job.step = int(plan.get("step", 0))
 
@@ -415,7 +536,7 @@ def resume(job: JobState, output_dir: str | os.PathLike, *, missing_ok: bool = F
     """
     wait_for_background_save(job)
     root = Path(output_dir)
-    if (root / MANIFEST).is_file() or foreign.is_foreign_checkpoint(root):
+    if (root / MANIFEST).is_file() or foreign.is_foreign_checkpoint(root) or stand_in(root) is not None:
         candidates = [root]
     else:
         latest = latest_checkpoint(root)  # warns about incomplete ones

@@ -123,6 +123,7 @@ def plan_launch(opts: LaunchOptions, env: Mapping[str, str] | None = None) -> La
     if n_devices is not None and nproc is not None and nproc > n_devices:
         raise LaunchError(f"--nproc {nproc} is more than the {n_devices} device(s) in --devices")
     nnodes, node_rank = opts.nnodes, opts.node_rank
+    _check_counts(opts)
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise LaunchError(f"--node_rank {node_rank} must be in 0..{nnodes - 1} (--nnodes {nnodes})")
     world = (nproc or 1) * nnodes
@@ -139,6 +140,18 @@ def plan_launch(opts: LaunchOptions, env: Mapping[str, str] | None = None) -> La
         join_timeout=opts.join_timeout, env=child_env, parent_env=dict(env),
     )
     return backend.launcher().plan(request)
+
+
+def _check_counts(opts: LaunchOptions) -> None:
+    """One line naming the fix for a count or port torchrun would reject with a traceback."""
+    if opts.nnodes is not None and opts.nnodes < 1:
+        raise LaunchError(f"--nnodes {opts.nnodes}: give at least 1 node")
+    if opts.max_restarts is not None and opts.max_restarts < 0:
+        raise LaunchError(f"--max_restarts {opts.max_restarts}: give 0 (no restart, the default) or more")
+    if opts.master_port is not None and not 0 <= opts.master_port <= 65535:
+        raise LaunchError(f"--master_port {opts.master_port}: a TCP port is 1..65535 (0 picks a free one on one node)")
+    if opts.join_timeout is not None and opts.join_timeout < 1:
+        raise LaunchError(f"--join_timeout {opts.join_timeout}: give the seconds a node waits for the others, at least 1")
 
 
 def _mixed_precision(value: str) -> str:
@@ -199,9 +212,10 @@ def accelerate_launch_keys(path: str | os.PathLike) -> dict[str, Any]:
     import yaml
 
     from xshard.config.fsdp import ACCELERATE_LAUNCH_KEYS, ACCELERATE_MARKERS
+    from xshard.config.yaml_strict import load_yaml
 
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        data = load_yaml(Path(path).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
         return {}  # XShardConfig.load has already reported a file it cannot read
     if not isinstance(data, dict) or not ACCELERATE_MARKERS & set(data):

@@ -58,6 +58,7 @@ from xshard.config.values import (
     parse_stage,
     parse_strategy,
 )
+from xshard.config.yaml_strict import load_yaml, unique_keys
 
 __all__ = ["XShardConfig", "XShardConfigError", "XShardConfigWarning"]
 
@@ -389,7 +390,7 @@ def parse_text(raw: bytes, source: str) -> Any:
     except UnicodeDecodeError as exc:
         raise XShardConfigError(f"{source}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=unique_keys)
     except json.JSONDecodeError as exc:
         if source.lower().endswith(".json"):
             raise XShardConfigError(_json_error(text, exc, source)) from None
@@ -397,7 +398,7 @@ def parse_text(raw: bytes, source: str) -> Any:
         if source.lower().endswith(".json"):
             raise XShardConfigError(f"{source}: not valid JSON ({exc})") from None
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -1,0 +1,56 @@
+"""The shape of a checkpoint's manifest, checked before anything of the checkpoint is read or applied.
+
+A manifest is data from disk: a file edited by hand, a copy from elsewhere, a crafted folder. Every
+value a load uses is checked here first, so that a bad one is a ``CheckpointError`` naming the key
+(and the checkpoint falls back to an older one under ``resume_from_checkpoint=True``), never a bare
+``ValueError`` halfway through putting the state into the job. File names must be plain names of
+files inside the folder: a name with ``..``, a separator or an absolute path would let a manifest
+point the load (or ``xshard consolidate``) at any file on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def is_plain_name(name: str) -> bool:
+    """A file name inside one folder: no separator, no ``..``, not absolute, not empty."""
+    return (bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+            and not os.path.isabs(name) and Path(name).name == name)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_manifest(path: Path, manifest: Any, error: type[Exception]) -> None:
+    """Raise ``error`` naming ``path`` and the key when the manifest's values are not what a save writes."""
+    if not isinstance(manifest, dict):
+        raise error(f"{path} holds a {type(manifest).__name__}, not a manifest; load another checkpoint")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise error(f"{path}: key 'files' is {files!r}, expected a mapping of file names; load another checkpoint")
+    for name, entry in files.items():
+        if not is_plain_name(name):
+            raise error(f"{path}: files[{name!r}] is not a plain file name inside the checkpoint folder (no '..', "
+                        "no '/', no absolute path); the manifest was edited or crafted: load another checkpoint")
+        if not isinstance(entry, dict) or not _count(entry.get("bytes")) \
+                or not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
+            raise error(f"{path}: files[{name!r}] is {entry!r}, expected {{'bytes': <size>, 'sha256': <64 hex "
+                        "digits>}}; load another checkpoint")
+    for key in ("step", "micro_step", "world_size", "models", "optimizers", "schedulers", "data_loaders"):
+        if key in manifest and not _count(manifest[key]):
+            raise error(f"{path}: key {key!r} is {manifest[key]!r}, expected a whole number >= 0; the manifest was "
+                        "edited: load another checkpoint")
+    for key in ("tables", "config"):
+        if key in manifest and not isinstance(manifest[key], dict):
+            raise error(f"{path}: key {key!r} is {manifest[key]!r}, expected a mapping; load another checkpoint")
+    tables = manifest.get("tables", {})
+    for table_name, table in tables.items():
+        if not isinstance(table, dict):
+            raise error(f"{path}: tables[{table_name!r}] is {table!r}, expected a mapping; load another checkpoint")
