@@ -325,8 +325,14 @@ class Accelerator:
                 _warn_outside_models(obj.optimizer, self.job.models)
         return out[0] if len(out) == 1 else tuple(out)
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Shard ``model`` over the job with the config's sharding options."""
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> torch.nn.Module:
+        """Shard ``model`` over the job with the config's sharding options.
+
+        Accelerate's ``device_placement`` and ``evaluation_mode`` are accepted (the transformers Trainer
+        passes them for a model it only evaluates): the model is sharded and placed as for training,
+        whose forward is the same.
+        """
         from .sharding import ShardedModel, shard_model
 
         if any(model is m for m in self.job.models):
@@ -560,6 +566,11 @@ class Accelerator:
         plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=micro, train_batch_size=total)
 
     @property
+    def _models(self) -> list[torch.nn.Module]:
+        """The prepared models, under the name Accelerate keeps them (the transformers Trainer reads it)."""
+        return self.job.models
+
+    @property
     def distributed_type(self) -> DistributedType:
         """How the job is distributed, in Accelerate's names (``xshard.state``)."""
         return self.state.distributed_type
@@ -784,9 +795,11 @@ class Accelerator:
     clear = free_memory
 
     # ------------------------------------------------------------------ models and state
-    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> torch.nn.Module:
         """The user's module inside a prepared model (its parameters hold this rank's shards;
-        use ``full_state_dict`` for full weights)."""
+        use ``full_state_dict`` for full weights). Accelerate's ``keep_fp32_wrapper`` and
+        ``keep_torch_compile`` are accepted: xshard wraps no forward and compiles nothing."""
         return getattr(model, "module", model) if any(model is m for m in self.job.models) else model
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
