@@ -8,7 +8,9 @@ chosen here by ``SFT_TRAINER=stock|xshard`` (default xshard) so that the tests c
     xshard launch --nproc 2 tests/trainer_sft_script.py --model_name_or_path tiny --data_path data.json \\
         --output_dir out --max_steps 8 --per_device_train_batch_size 2 --logging_steps 1
 
-``--resume_from_checkpoint true`` resumes from the newest checkpoint in ``--output_dir``.
+``--resume_from_checkpoint true`` resumes from the newest checkpoint in ``--output_dir``. With
+``--eval_records N`` the last N records are held out: ``evaluate()`` and ``predict()`` run after training and
+the main process writes their results to ``eval_results.json``.
 """
 
 from __future__ import annotations
@@ -122,6 +124,13 @@ def main(argv: Sequence[str] | None = None, impl: str | None = None) -> Any:
     trainer.train(resume_from_checkpoint=resume or None)
     trainer.save_state()
     trainer.save_model(training_args.output_dir)
+    if evaluation is not None:
+        metrics = trainer.evaluate()
+        predictions = trainer.predict(evaluation)
+        if trainer.is_world_process_zero():
+            with open(os.path.join(training_args.output_dir, "eval_results.json"), "w") as f:
+                json.dump({"eval_loss": metrics["eval_loss"], "predict_loss": predictions.metrics["test_loss"],
+                           "predicted_rows": len(predictions.label_ids)}, f)
     return trainer
 
 

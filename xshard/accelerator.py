@@ -52,6 +52,7 @@ from .backends import Backend, select
 from .config.accelerate_args import AccelerateSettings, config_origin, read_accelerate_args
 from .data import ShardedDataLoader, shard_data_loader
 from .job import JobState
+from .launch_marker import mark_accelerator_built
 from .log import get_logger, progress, setup_logging
 from .prepared import PreparedOptimizer, PreparedScheduler
 from .rebind import StaleParameterGuard, rebind_optimizer
@@ -147,6 +148,7 @@ class Accelerator:
         self._ended = False
         self._stale_guard = StaleParameterGuard()
         self._setup_accelerate(compat, origin, ds_config)
+        mark_accelerator_built(self.rank)  # xshard launch: this job runs on xshard
 
     # ------------------------------------------------------------------ facts
     @property
@@ -659,7 +661,7 @@ class Accelerator:
         if found is None:
             return data
         counts, batch_len = found
-        return metrics.in_loader_order(data, counts, batch_len, self.world_size)
+        return metrics.in_loader_order(data, counts, batch_len, self.world_size, loader.batch_size)
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         """Pad tensor(s) along ``dim`` to the largest size on any process, so they can be gathered."""

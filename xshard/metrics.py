@@ -94,23 +94,33 @@ def gather_object(collectives: Any, device: torch.device, obj: Any) -> list[Any]
     return parts
 
 
-def in_loader_order(gathered: Any, counts: list[int], batch_len: int, world_size: int) -> Any:
+def in_loader_order(gathered: Any, counts: list[int], batch_len: int, world_size: int,
+                    full_batch_len: int | None = None) -> Any:
     """Per-sample rows of a gathered batch (tensors, or a flattened object list) in the loader's order,
     without the repeats: row ``i`` of rank ``r`` is sample ``i * world_size + r`` of the batch, real when
     ``i < counts[r]``.
 
     ``batch_len``: samples per rank in the batch; values whose per-rank part has another length are
-    not per-sample and stay as gathered.
+    not per-sample and stay as gathered. ``full_batch_len``: the loader's batch size; in a smaller last
+    batch, a value with that many rows per rank is read as rows of a full batch, of which the first
+    ``counts[r]`` are real (the transformers Trainer gathers each batch's loss repeated batch-size times,
+    and Accelerate keeps the real ones).
     """
-    order = [r * batch_len + i for i in range(batch_len) for r in range(world_size) if i < counts[r]]
+
+    def order(per_rank: int) -> list[int]:
+        return [r * per_rank + i for i in range(per_rank) for r in range(world_size) if i < counts[r]]
 
     def arrange(rows: Any) -> Any:
         total = len(rows) if not isinstance(rows, torch.Tensor) else (rows.shape[0] if rows.dim() else 0)
-        if total != batch_len * world_size:  # not one row per sample of this batch
+        if full_batch_len and full_batch_len > batch_len and total == full_batch_len * world_size:
+            keep = order(full_batch_len)
+        elif total == batch_len * world_size:
+            keep = order(batch_len)
+        else:  # not one row per sample of this batch
             return rows
         if isinstance(rows, torch.Tensor):
-            return rows[torch.tensor(order, dtype=torch.long, device=rows.device)]
-        return [rows[k] for k in order]
+            return rows[torch.tensor(keep, dtype=torch.long, device=rows.device)]
+        return [rows[k] for k in keep]
 
     if isinstance(gathered, list) and not only_tensors(gathered):
         return arrange(gathered)
