@@ -1,4 +1,4 @@
-"""finetune.py on the NPU code path, emulated: the fake torch_npu and the test-only "hccl" process group
+"""finetune_loop.py on the NPU code path, emulated: the fake torch_npu and the test-only "hccl" process group
 over gloo (tests/fakes/npu.py). Not a test on NPU hardware: the compute tensors stay on the CPU.
 
 The launch line (``XSHARD_BACKEND=npu``, 2 processes) must select the ``npu:<local rank>`` devices,
@@ -21,7 +21,7 @@ EXAMPLE = TESTS.parent / "examples" / "qwen_finetune"
 
 
 def _emulated_npu_main() -> None:
-    """Rank entry point: install the fake NPU, keep tensors on the CPU, record what was asked, run finetune.py."""
+    """Rank entry point: install the fake NPU, keep tensors on the CPU, record what was asked, run finetune_loop.py."""
     import contextlib
     import runpy
 
@@ -64,7 +64,7 @@ def _emulated_npu_main() -> None:
     # for that, the fake cannot: answer "cpu", where the emulated job's tensors are
     torch._C._get_accelerator = lambda: torch.device("cpu")
     torch.npu.is_bf16_supported = counting_probe
-    sys.argv = [str(EXAMPLE / "finetune.py"), *sys.argv[1:]]
+    sys.argv = [str(EXAMPLE / "finetune_loop.py"), *sys.argv[1:]]
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as exc:

@@ -1,10 +1,11 @@
-"""Alpaca supervised fine-tuning of a Qwen (or any causal LM) on xshard, with the openMind guide's arguments.
+"""The same Alpaca fine-tune as finetune.py, written as its own loop on ``xshard.Accelerator`` (no Trainer).
 
-    # the guide's run, 8 Ascend NPUs (see run_npu8.sh and README.md)
-    torchrun --nproc_per_node=8 finetune.py --model_name_or_path /path/to/qwen1.5_7b_chat \\
+finetune.py is the guide's Trainer script; this version shows what the Trainer does for you, step by
+step, and what xshard adds to a hand-written loop:
+
+    torchrun --nproc_per_node=8 finetune_loop.py --model_name_or_path /path/to/qwen1.5_7b_chat \\
         --data_path alpaca_data.json --deepspeed ds_config_zero3.json --bf16 True --output_dir ./test/output ...
-    # offline on 2 CPU processes: a tiny random Qwen2, a tokenizer trained on the spot, the shipped data
-    XSHARD_BACKEND=cpu xshard launch --nproc 2 finetune.py --deepspeed ds_config_zero3.json --output_dir out
+    XSHARD_BACKEND=cpu xshard launch --nproc 2 finetune_loop.py --deepspeed ds_config_zero3.json --output_dir out
 
 A real model is loaded with ``xshard.pretrained.from_pretrained_sharded``: built without weights,
 sharded, and each rank reads only its own rows of the checkpoint, so 8 ranks on one host never hold
