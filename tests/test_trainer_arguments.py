@@ -93,6 +93,13 @@ def test_deepspeed_scheduler_and_unknown_optimizer_are_errors_naming_the_fix(tmp
     data = _ds(optimizer={"type": "Adam", "params": {"lr": "auto", "adam_w_mode": False}})
     with pytest.raises(XShardConfigError, match="adam_w_mode"):
         _args(tmp_path, deepspeed=data)
+    with pytest.raises(XShardConfigError, match=r"--weight_decay 0.1: DeepSpeed decays every parameter"):
+        _args(tmp_path, deepspeed=GUIDE_DS, weight_decay=0.1)
+    with pytest.raises(XShardConfigError, match=r"--optim adafactor.*--optim adamw_torch"):
+        _args(tmp_path, deepspeed=GUIDE_DS, optim="adafactor")
+    no_block = _ds()
+    del no_block["optimizer"]
+    assert sharding_config(_args(tmp_path, deepspeed=no_block, weight_decay=0.1, optim="adafactor")).optimizer is None
 
 
 def test_deepspeed_missing_file_names_it(tmp_path):

@@ -191,8 +191,8 @@ class TrainingArgumentsMixin:
         device = backend.device()
         # the Trainer's n_gpu: devices this process drives with DataParallel; never more than one here
         self._n_gpu = 0 if device.type in ("cpu", "xla") else 1
-        if self.use_cpu:
-            self.dataloader_pin_memory = False
+        if device.type == "cpu":
+            self.dataloader_pin_memory = False  # nothing to pin for (torch warns at every loader otherwise)
         return device
 
     @property

@@ -15,10 +15,13 @@ turned into the ``XShardConfig`` its run uses, with the Trainer's meaning of eac
 - Without either the job runs the config from ``--config``/``XSHARD_*`` of the launcher (stage 3 by
   default), with the arguments' precision, accumulation and clipping.
 
-What a DeepSpeed ``optimizer`` block means: DeepSpeed's own optimizer, built over every trainable
-parameter as one group with the block's params (no weight-decay groups). ``XShardConfig.optimizer``
-holds it (``{"type": "AdamW", "params": {...}}``); only Adam/AdamW are implemented, any other type is an
-error. A DeepSpeed ``scheduler`` block is an error naming the fix (the Trainer's ``--lr_scheduler_type``).
+A DeepSpeed ``optimizer`` block: the Trainer on xshard builds its AdamW from the arguments, which the
+block's values must agree with (checked above), so the block describes the same optimizer. Two cases
+would differ from DeepSpeed's, which builds the optimizer itself over every trainable parameter as one
+group: a weight decay above 0 (the Trainer's AdamW exempts biases and norms) and an ``--optim`` other than
+AdamW; both are errors naming the fix, as are block types other than Adam/AdamW. ``XShardConfig.optimizer``
+holds the block. A DeepSpeed ``scheduler`` block is an error naming the fix (the Trainer's
+``--lr_scheduler_type``).
 """
 
 from __future__ import annotations
@@ -204,7 +207,7 @@ def _script_values(args: Any, env: Mapping[str, str]) -> dict[str, Any]:
     return values
 
 
-def _check_optimizer(data: Mapping[str, Any]) -> None:
+def _check_optimizer(data: Mapping[str, Any], args: Any) -> None:
     section = data.get("optimizer")
     if section is None:
         return
@@ -221,6 +224,16 @@ def _check_optimizer(data: Mapping[str, Any]) -> None:
     if isinstance(params, Mapping) and params.get("adam_w_mode") is False:
         raise XShardConfigError("ds_config optimizer.params.adam_w_mode false (Adam with L2 decay): xshard "
                                 f"implements DeepSpeed's AdamW only; {fix}", ("optimizer",))
+    optim = str(getattr(getattr(args, "optim", None), "value", getattr(args, "optim", "adamw")))
+    if not optim.startswith("adamw"):
+        raise XShardConfigError(f"ds_config optimizer {section.get('type')!r} and --optim {optim}: DeepSpeed would "
+                                f"train with its {section.get('type')}, the Trainer here with {optim}; {fix}, or "
+                                "set --optim adamw_torch", ("optimizer",))
+    if float(getattr(args, "weight_decay", 0.0) or 0.0) > 0:
+        raise XShardConfigError(f"ds_config optimizer with --weight_decay {args.weight_decay}: DeepSpeed decays every "
+                                "parameter, the Trainer's AdamW exempts biases and norm weights, so the runs would "
+                                f"differ; {fix} (to train with the Trainer's groups), or set --weight_decay 0",
+                                ("optimizer",))
     unknown = sorted(set(params) - _ADAM_PARAMS) if isinstance(params, Mapping) else []
     if unknown:
         raise XShardConfigError(f"ds_config optimizer.params {', '.join(unknown)}: not implemented by xshard's AdamW "
@@ -276,7 +289,7 @@ def _from_deepspeed(args: Any, source: dict[str, Any] | str, overrides: dict[str
         kind = data["scheduler"].get("type") if isinstance(data["scheduler"], Mapping) else data["scheduler"]
         raise XShardConfigError(f"ds_config scheduler {kind!r}: DeepSpeed's schedulers are not implemented by "
                                 f"xshard; {_FIX_SCHEDULER}", ("scheduler",))
-    _check_optimizer(data)
+    _check_optimizer(data, args)
     values = _script_values(args, env)
     _check_agreement(data, values)
     # train_batch_size "auto" needs the world size: always known here (the arguments set up the devices)
