@@ -7,6 +7,7 @@ the transformers-4 names of the openMind guide, and the warnings/errors for what
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import warnings
@@ -131,10 +132,11 @@ def test_ignored_keys_and_arguments_are_named_once_in_one_warning(tmp_path):
 def test_fsdp_words(tmp_path, words, stage, offload, group):
     args = _args(tmp_path, fsdp=words)
     config = sharding_config(args)
-    assert args.fsdp is True and args.xshard_fsdp_words == words.split()
+    assert args.fsdp == words and args.xshard_fsdp_words == words.split()
     assert (config.stage, config.offload_params, config.offload_optimizer) == (stage, offload, offload)
     assert config.shard_group_size == group
     assert config.auto_wrap_policy == "transformer"  # transformers 5 wraps blocks with or without auto_wrap
+    assert sharding_config(dataclasses.replace(args, learning_rate=1e-3)).to_dict() == config.to_dict()  # a copy
 
 
 def test_fsdp_config_classes_size_and_unknown_word(tmp_path):

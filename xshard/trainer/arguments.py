@@ -9,8 +9,9 @@ nothing else in a script changes. What differs from the stock class:
   ``torchrun`` or torch_xla's launcher alike.
 - ``--deepspeed ds_config.json`` (a path, a dict or JSON text) is read by xshard: DeepSpeed need not be
   installed (the stock class imports it here). ``deepspeed_plugin`` and ``hf_deepspeed_config`` stay None.
-- ``--fsdp "full_shard auto_wrap offload"``: the words are kept in ``xshard_fsdp_words`` and read by xshard
-  (hybrid_shard and no_shard too); ``fsdp`` becomes True as in transformers 5.
+- ``--fsdp "full_shard auto_wrap offload"``: the words are read by xshard (hybrid_shard and no_shard too;
+  transformers 5 turns them into ``fsdp_config`` entries and ``fsdp=True``), and stay in ``fsdp`` as given
+  (also in ``xshard_fsdp_words``, as a list).
 - ``--bf16`` / ``--fp16``: mixed precision where the device computes in that dtype (also on CPUs, which
   the stock class refuses without ``--use_cpu``); where it cannot, one warning and an fp32 run
   (``xshard_precision_fallback`` names what was asked).
@@ -115,15 +116,16 @@ class TrainingArgumentsMixin:
         self._rename_transformers4_arguments()
         # The stock class imports DeepSpeed for --deepspeed and translates the --fsdp words itself:
         # xshard reads both, so the stock code sees neither.
-        deepspeed = self.deepspeed
-        words = hf_fsdp_items(self.fsdp) if self.fsdp and self.fsdp is not True else None
+        deepspeed, fsdp = self.deepspeed, self.fsdp
+        words = hf_fsdp_items(fsdp) if fsdp and fsdp is not True else None
         self.deepspeed = None
         if words is not None:
             self.fsdp = True
         try:
             super().__post_init__()  # type: ignore[misc]
         finally:
-            self.deepspeed = deepspeed
+            # as the user gave them: a copy (dataclasses.replace) reads them again
+            self.deepspeed, self.fsdp = deepspeed, fsdp
         self.xshard_fsdp_words = words
         self.deepspeed_plugin = None
         self.hf_deepspeed_config = None
