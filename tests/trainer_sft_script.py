@@ -8,7 +8,7 @@ chosen here by ``SFT_TRAINER=stock|xshard`` (default xshard) so that the tests c
     xshard launch --nproc 2 tests/trainer_sft_script.py --model_name_or_path tiny --data_path data.json \\
         --output_dir out --max_steps 8 --per_device_train_batch_size 2 --logging_steps 1
 
-``--resume_from_checkpoint true`` resumes from the newest checkpoint in ``--output_dir``. With
+``--lora_r R`` trains a PEFT LoRA adapter instead of the whole model. ``--resume_from_checkpoint true`` resumes from the newest checkpoint in ``--output_dir``. With
 ``--eval_records N`` the last N records are held out: ``evaluate()`` and ``predict()`` run after training and
 the main process writes their results to ``eval_results.json``.
 """
@@ -39,6 +39,8 @@ PROMPT_NO_INPUT = (
 @dataclass
 class ModelArguments:
     model_name_or_path: str = field(metadata={"help": "a local model folder"})
+    lora_r: int = field(default=0, metadata={"help": "train a PEFT LoRA adapter of this rank on q_proj/v_proj (0: "
+                                                     "the whole model)"})
 
 
 @dataclass
@@ -107,6 +109,11 @@ def main(argv: Sequence[str] | None = None, impl: str | None = None) -> Any:
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=torch.float32)
+    if model_args.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=model_args.lora_r, lora_alpha=2 * model_args.lora_r,
+                                                 target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     with open(data_args.data_path) as f:
         records = json.load(f)
     if data_args.max_records:

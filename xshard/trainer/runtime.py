@@ -37,6 +37,10 @@ __all__ = ["TrainerAccelerator", "bind_arguments", "build_accelerator"]
 class TrainerAccelerator(Accelerator):
     """xshard's Accelerator as the Trainer uses it (see the module docstring for what differs)."""
 
+    #: Accelerate's tensor/context/sequence-parallel layout, which Trainer subclasses (TRL's) read: none,
+    #: xshard is data parallel (``sharding_config`` refuses a ``parallelism_config`` that asks for more)
+    parallelism_config = None
+
     def free_memory(self, *objects: Any) -> list[Any]:
         """Forget the data loaders and schedulers and reset the step; keep the prepared models and
         optimizers, which the Trainer goes on using from one ``train()`` to the next."""

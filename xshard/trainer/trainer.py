@@ -111,6 +111,11 @@ class TrainerMixin:
     def _save_job_state(self, output_dir: str) -> None:
         checkpoints.save_job_state(self.accelerator.job, output_dir, self.lr_scheduler,
                                    with_optimizer=not self.args.save_only_model)
+        if _is_peft_model(self.model):
+            # as in the stock Trainer's checkpoints, the adapter alone too (what PeftModel.from_pretrained loads)
+            state_dict = self.accelerator.get_state_dict(self._prepared_model())
+            if self.args.should_save:
+                self.model.save_pretrained(output_dir, state_dict=state_dict)
         if not self.args.should_save:
             return
         tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
@@ -149,6 +154,14 @@ class TrainerMixin:
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: the best checkpoint's weights into the prepared model."""
         checkpoints.load_model_weights(self._prepared_model(), self.state.best_model_checkpoint)
+
+
+def _is_peft_model(model: Any) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
 
 
 class Trainer(TrainerMixin, transformers.Trainer):
