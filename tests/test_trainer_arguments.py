@@ -17,6 +17,7 @@ import torch
 import transformers
 from toy_backend import ToyBackend
 from xshard.backends import register_backend, unregister_backend
+from xshard.backends.errors import XShardError
 
 from xshard.config import XShardConfigError, XShardConfigWarning
 from xshard.sharding.wrap import split_into_units
@@ -181,6 +182,15 @@ def test_xla_fsdp_config_wraps_by_no_split_modules(tmp_path, one_cpu_process):
     assert config.auto_wrap_policy == "transformer" and config.transformer_layer_cls_to_wrap is None
     units = split_into_units(_tiny_qwen(), config.to_sharding_options())
     assert [u.name for u in units] == ["", "model.layers.0", "model.layers.1", "model.layers.2"]
+
+
+def test_xshards_arguments_start_the_xla_backend_an_xla_fsdp_config_file_asks_for(tmp_path, one_cpu_process):
+    one_cpu_process.delenv("XSHARD_BACKEND")
+    path = tmp_path / "xla_fsdp.json"
+    path.write_text(json.dumps({"xla": True, "xla_fsdp_grad_ckpt": True}))
+    # read before transformers loads the file: this environment has no torch_xla, and the error says so
+    with pytest.raises(XShardError, match=r"xla backend, but it cannot run here: torch_xla is not installed"):
+        _args(tmp_path, fsdp="full_shard", fsdp_config=str(path))
 
 
 # ------------------------------------------------------------------------------------------ precision

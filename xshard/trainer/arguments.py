@@ -30,6 +30,7 @@ Other argument classes join with the mixin, e.g. TRL's::
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 import transformers
 
-from xshard.config import XShardConfigWarning
+from xshard.config import XShardConfigWarning, parse_text
 from xshard.config.fsdp import hf_fsdp_items
 
 from .config import sharding_config
@@ -170,24 +171,31 @@ class TrainingArgumentsMixin:
         if wanted is None or backend.supports(_PRECISION_DTYPES[wanted]):
             return
         if backend.world.rank == 0:
+            hint = " (--fp16 gives mixed precision here)" if wanted == "bf16" and backend.supports(torch.float16) else ""
             warnings.warn(f"--{wanted} was asked for, but the {backend.name} backend cannot compute in "
-                          f"{_PRECISION_DTYPES[wanted]} on {backend.device()}: training in fp32 instead "
-                          f"(--fp16 gives mixed precision where only fp16 exists)", XShardConfigWarning,
-                          stacklevel=4)
+                          f"{_PRECISION_DTYPES[wanted]} on {backend.device()}: training in fp32 instead{hint}",
+                          XShardConfigWarning, stacklevel=4)
         self.xshard_precision_fallback = wanted
         self.bf16 = self.fp16 = False
         self.mixed_precision = "no"
+
+    def _xla_fsdp(self) -> bool:
+        """The fsdp_config asks for torch_xla's FSDP (``xla: true``); read before transformers loads the file."""
+        options = self.fsdp_config
+        if isinstance(options, (str, os.PathLike)) and self.fsdp:
+            from xshard.config.schema import _read_bytes
+
+            options = parse_text(_read_bytes(options), os.fspath(options))
+        if not isinstance(options, dict):
+            return False
+        return str(options.get("xla", options.get("fsdp_xla", False))).strip().lower() == "true"
 
     @functools.cached_property
     def _setup_devices(self) -> torch.device:
         """Join the job through xshard's backend (the stock class builds Accelerate's PartialState)."""
         from xshard.backends import select
 
-        backend_name = "cpu" if self.use_cpu else None
-        options = self.fsdp_config if isinstance(self.fsdp_config, dict) else {}
-        if backend_name is None and str(options.get("xla", options.get("fsdp_xla", False))).lower() == "true":
-            backend_name = "xla"
-        backend = select(backend_name).cls()
+        backend = select("cpu" if self.use_cpu else "xla" if self._xla_fsdp() else None).cls()
         backend.init_process_group(timeout=float(self.ddp_timeout))
         self.distributed_state = XShardDistributedState(backend)
         device = backend.device()
