@@ -250,19 +250,20 @@ def test_parallelism_config_is_refused(tmp_path):
         sharding_config(args)
 
 
-def test_the_mixin_joins_another_arguments_class(tmp_path):
-    from dataclasses import dataclass, field
+def test_the_mixin_joins_trls_sft_config(tmp_path):
+    from dataclasses import dataclass
+
+    import trl
 
     @dataclass
-    class SFTLikeConfig(transformers.TrainingArguments):
-        max_length: int = field(default=128)
-
-    @dataclass
-    class MyConfig(TrainingArgumentsMixin, SFTLikeConfig):
+    class MyConfig(TrainingArgumentsMixin, trl.SFTConfig):
         pass
 
     parser = transformers.HfArgumentParser(MyConfig)
     (args,) = parser.parse_args_into_dataclasses(
-        ["--output_dir", str(tmp_path), "--deepspeed", GUIDE_DS, "--max_length", "64", "--report_to", "none"])
+        ["--output_dir", str(tmp_path), "--deepspeed", GUIDE_DS, "--max_length", "64"])
     assert args.max_length == 64 and args.world_size == 1 and args.device == torch.device("cpu")
-    assert sharding_config(args).stage == 3
+    config = sharding_config(args)
+    # TRL turns bf16 on by default; the stock class refuses that on a CPU, xshard computes in bf16 here
+    assert args.bf16 and config.mixed_precision == "bf16"
+    assert (config.stage, config.train_micro_batch_size_per_gpu) == (3, args.per_device_train_batch_size)
