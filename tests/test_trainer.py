@@ -42,9 +42,9 @@ def _args(model: Path, out: Path, *extra: str) -> list[str]:
             "--seed", "11", *extra]
 
 
-def _run(command: list[str], args: list[str], trainer: str = "xshard") -> subprocess.CompletedProcess:
+def _run(command: list[str], args: list[str], trainer: str = "xshard", **env_vars: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
-    env.update(SFT_TRAINER=trainer, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.update(SFT_TRAINER=trainer, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env_vars)
     proc = subprocess.run([*command, str(SCRIPT), *args], capture_output=True, text=True, timeout=400, cwd=ROOT,
                           env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -126,13 +126,29 @@ def test_resume_from_a_checkpoint_gives_the_uninterrupted_losses(full_run, tiny_
     assert list(resumed.values()) == pytest.approx(list(uninterrupted.values()), rel=1e-5)
 
 
-def test_resume_on_one_process_with_the_same_global_batch(full_run, tiny_model, tmp_path):
+def test_resume_on_one_process_at_another_stage_with_the_same_global_batch(full_run, tiny_model, tmp_path):
     uninterrupted = _history(full_run)
     out = tmp_path / "one"
     one_process = list(TWO_PROCESSES)
     one_process[one_process.index("--per_device_train_batch_size") + 1] = "4"
     _run([sys.executable], _args(tiny_model, out, *one_process, "--resume_from_checkpoint",
-                                 str(full_run / "checkpoint-4")))
+                                 str(full_run / "checkpoint-4")), XSHARD_STAGE="1")  # saved at stage 3
     resumed = _history(out)  # the checkpoint's log history (steps 1-4), then this run's
     assert list(resumed) == [1, 2, 3, 4, 5, 6]
     assert list(resumed.values()) == pytest.approx(list(uninterrupted.values()), rel=1e-5)
+
+
+def test_load_best_model_at_end_keeps_the_best_checkpoint_and_ends_with_its_weights(tiny_model, tmp_path):
+    out = tmp_path / "best"
+    # a constant, too high learning rate: the evaluation loss is lowest at the first evaluation, then rises
+    _run(LAUNCH_2, _args(tiny_model, out, "--per_device_train_batch_size", "2", "--max_steps", "6",
+                         "--learning_rate", "1e-1", "--lr_scheduler_type", "constant", "--save_steps", "2",
+                         "--eval_strategy", "steps", "--eval_steps", "2", "--save_total_limit", "1",
+                         "--load_best_model_at_end", "true", "--metric_for_best_model", "eval_loss"))
+    state = json.loads((out / "trainer_state.json").read_text())
+    evals = _history(out, "eval_loss")
+    assert list(evals) == [2, 4, 6] and min(evals.values()) == evals[2] < evals[6]
+    assert state["best_model_checkpoint"] == str(out / "checkpoint-2") and state["best_metric"] == evals[2]
+    assert (out / "checkpoint-2" / "xshard_state.json").is_file()  # the best one is kept by the rotation
+    # the evaluation after train() sees the best checkpoint's weights, not the last step's
+    assert json.loads((out / "eval_results.json").read_text())["eval_loss"] == pytest.approx(evals[2], rel=1e-5)
