@@ -199,9 +199,10 @@ class TrainingArgumentsMixin:
         backend.init_process_group(timeout=float(self.ddp_timeout))
         self.distributed_state = XShardDistributedState(backend)
         device = backend.device()
-        # the Trainer's n_gpu: devices this process drives with DataParallel; never more than one here
-        self._n_gpu = 0 if device.type in ("cpu", "xla") else 1
-        if device.type == "cpu":
+        # the Trainer's n_gpu: devices this process drives with DataParallel (it only asks whether it is
+        # more than one, which it never is here: one device per process)
+        self._n_gpu = 1
+        if not torch.accelerator.is_available():
             self.dataloader_pin_memory = False  # nothing to pin for (torch warns at every loader otherwise)
         return device
 
