@@ -48,6 +48,14 @@ __all__ = ["TrainingArguments", "TrainingArgumentsMixin", "XShardDistributedStat
 _PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _torch_has_accelerator() -> bool:
+    """torch's own test before it pins a loader's memory (its DataLoader asks the same)."""
+    try:
+        return bool(torch.accelerator.is_available())
+    except RuntimeError:  # a PrivateUse1 device whose hooks were never registered: nothing to pin for
+        return False
+
+
 class XShardDistributedState:
     """``args.distributed_state``: where this process sits, answered by xshard's backend.
 
@@ -202,7 +210,7 @@ class TrainingArgumentsMixin:
         # the Trainer's n_gpu: devices this process drives with DataParallel (it only asks whether it is
         # more than one, which it never is here: one device per process)
         self._n_gpu = 1
-        if not torch.accelerator.is_available():
+        if not _torch_has_accelerator():
             self.dataloader_pin_memory = False  # nothing to pin for (torch warns at every loader otherwise)
         return device
 
