@@ -88,7 +88,7 @@ def bind_arguments(args: Any, accelerator: Accelerator) -> None:
         return  # xshard's arguments: already the backend's answers
     args.distributed_state = XShardDistributedState(accelerator.backend)
     args.__dict__["_setup_devices"] = accelerator.device  # the cached property the Trainer reads as args.device
-    args._n_gpu = 0 if accelerator.device.type in ("cpu", "xla") else 1
+    args._n_gpu = 1  # one device per process: the Trainer never wraps the model in DataParallel
 
 
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
