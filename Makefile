@@ -18,9 +18,10 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# The flagship example on the auto-detected backend, 2 processes, ZeRO-3: a tiny random Qwen2 and a
-# tokenizer built offline, fine-tuned on the shipped synthetic Alpaca-format data (about a minute on
-# 2 CPU cores; the loss falls from about 6 to about 3).
+# The flagship example on the auto-detected backend, 2 processes, ZeRO-3: the guide's Trainer script
+# (examples/qwen_finetune/finetune.py, `from xshard.trainer import Trainer, TrainingArguments`) with a tiny
+# random Qwen2 and a tokenizer built offline, fine-tuned on the shipped synthetic Alpaca-format data (about
+# a minute on 2 CPU cores; the Trainer logs a loss of about 5.7 at step 10, falling to about 2.3 at step 80).
 DEMO_OUT ?= out/demo-qwen
 demo: install
 	rm -rf $(DEMO_OUT)

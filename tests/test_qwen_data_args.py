@@ -1,4 +1,4 @@
-"""finetune.py's command line (examples/qwen_finetune/args.py): the openMind guide's arguments, Trainer booleans."""
+"""finetune_loop.py's command line (examples/qwen_finetune/args.py): the openMind guide's arguments, Trainer booleans."""
 
 from __future__ import annotations
 
@@ -155,7 +155,9 @@ def test_shipped_run_scripts_pass_valid_arguments(script, tmp_path, monkeypatch)
     argv = (tmp_path / "torchrun.args").read_text().splitlines()
     script_args = argv[argv.index("finetune.py") + 1:]
     monkeypatch.chdir(EXAMPLE)  # the scripts run from the example folder
-    args = finetune_args.parse_args(script_args)
+    import finetune  # the Trainer script: its HfArgumentParser with xshard's TrainingArguments
+
+    _, _, args = finetune.parse_arguments(script_args)
     assert args.deepspeed == "ds_config_zero3.json" and args.lr_scheduler_type == "cosine"
     if script == "run_npu8.sh":
         assert "--nproc_per_node=8" in argv

@@ -1,4 +1,4 @@
-"""examples/qwen_finetune/finetune.py end to end: 2 CPU processes, the guide's ZeRO-3 ds_config, the tiny
+"""examples/qwen_finetune/finetune_loop.py (the own-loop version) end to end: 2 CPU processes, the guide's ZeRO-3 ds_config, the tiny
 offline Qwen2. The loss falls, checkpoints rotate, a resume continues the same run, and the final folder
 loads with from_pretrained. Plus the loop's pieces (schedule, optimizer groups, checkpoint rotation)."""
 
@@ -23,8 +23,8 @@ STEPS = 20
 
 
 def launch(output_dir: Path, *extra: str, env: dict[str, str] | None = None, timeout: float = 240) -> str:
-    """Run finetune.py with ``xshard launch --nproc 2`` on the CPU backend; returns the output."""
-    cmd = [sys.executable, "-m", "xshard", "launch", "--nproc", "2", str(EXAMPLE / "finetune.py"),
+    """Run finetune_loop.py with ``xshard launch --nproc 2`` on the CPU backend; returns the output."""
+    cmd = [sys.executable, "-m", "xshard", "launch", "--nproc", "2", str(EXAMPLE / "finetune_loop.py"),
            "--deepspeed", str(EXAMPLE / "ds_config_zero3.json"), "--output_dir", str(output_dir),
            "--per_device_train_batch_size", "4", "--model_max_length", "128", "--learning_rate", "3e-3",
            "--warmup_ratio", "0.1", "--lr_scheduler_type", "cosine", "--seed", "1234", "--logging_steps", "1",

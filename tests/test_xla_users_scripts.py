@@ -7,7 +7,7 @@
   models draw their random initial weights from one shared generator, so rank 0's weights (which
   ``prepare`` broadcasts, as DDP does) are not always those of a fresh ``torch.manual_seed(0)``: the
   loss falls alike, within a factor the test states.
-- examples/qwen_finetune/finetune.py, whose collator pads each batch to its own longest sequence:
+- examples/qwen_finetune/finetune_loop.py, whose collator pads each batch to its own longest sequence:
   the Accelerator pads token batches to a multiple of 64 on XLA (``static_shape_multiple``), so the
   number of compilations stops growing after warm-up; with padding off it grows with every new width.
 """

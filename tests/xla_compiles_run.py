@@ -1,4 +1,4 @@
-"""Run examples/qwen_finetune/finetune.py in this process on one XLA:CPU device and print, as JSON,
+"""Run examples/qwen_finetune/finetune_loop.py in this process on one XLA:CPU device and print, as JSON,
 torch_xla's compilation count after every optimizer step (the test reads the last line)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch_xla.debug.metrics as met
 from xshard.backends.xla import XLABackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "qwen_finetune"))
-import finetune  # noqa: E402
+import finetune_loop  # noqa: E402
 
 counts: list[int] = []
 _step = XLABackend.optimizer_step
@@ -24,5 +24,5 @@ def _counting_step(self: XLABackend, optimizer) -> None:
 
 
 XLABackend.optimizer_step = _counting_step
-finetune.main(sys.argv[1:])
+finetune_loop.main(sys.argv[1:])
 print(json.dumps({"compiles": counts}))

@@ -55,6 +55,7 @@ from .checkpoint import auto_resume
 from .config.accelerate_args import AccelerateSettings, config_origin, read_accelerate_args
 from .data import ShardedDataLoader, shard_data_loader
 from .job import JobState
+from .launch_marker import mark_accelerator_built
 from .log import get_logger, progress, setup_logging, use_barrier
 from .prepared import PreparedOptimizer, PreparedScheduler
 from .rebind import StaleParameterGuard, rebind_optimizer
@@ -158,6 +159,7 @@ class Accelerator:
         _LIVE[self._token] = self
         self._stale_guard = StaleParameterGuard()
         self._setup_accelerate(compat, origin, ds_config)
+        mark_accelerator_built(self.rank)  # xshard launch: this job runs on xshard
 
     # ------------------------------------------------------------------ facts
     @property
@@ -337,8 +339,14 @@ class Accelerator:
         auto_resume.resume_if_restarted(self.job, self.project_dir)  # xshard launch --max_restarts
         return out[0] if len(out) == 1 else tuple(out)
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Shard ``model`` over the job with the config's sharding options."""
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> torch.nn.Module:
+        """Shard ``model`` over the job with the config's sharding options.
+
+        Accelerate's ``device_placement`` and ``evaluation_mode`` are accepted (the transformers Trainer
+        passes them for a model it only evaluates): the model is sharded and placed as for training,
+        whose forward is the same.
+        """
         from .sharding import ShardedModel, shard_model
 
         if any(model is m for m in self.job.models):
@@ -574,6 +582,11 @@ class Accelerator:
         plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=micro, train_batch_size=total)
 
     @property
+    def _models(self) -> list[torch.nn.Module]:
+        """The prepared models, under the name Accelerate keeps them (the transformers Trainer reads it)."""
+        return self.job.models
+
+    @property
     def distributed_type(self) -> DistributedType:
         """How the job is distributed, in Accelerate's names (``xshard.state``)."""
         return self.state.distributed_type
@@ -743,7 +756,7 @@ class Accelerator:
         if found is None:
             return data
         counts, batch_len = found
-        return metrics.in_loader_order(data, counts, batch_len, self.world_size)
+        return metrics.in_loader_order(data, counts, batch_len, self.world_size, loader.batch_size)
 
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         """Pad tensor(s) along ``dim`` to the largest size on any process, so they can be gathered."""
@@ -880,9 +893,11 @@ class Accelerator:
     clear = free_memory
 
     # ------------------------------------------------------------------ models and state
-    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> torch.nn.Module:
         """The user's module inside a prepared model (its parameters hold this rank's shards;
-        use ``full_state_dict`` for full weights)."""
+        use ``full_state_dict`` for full weights). Accelerate's ``keep_fp32_wrapper`` and
+        ``keep_torch_compile`` are accepted: xshard wraps no forward and compiles nothing."""
         return getattr(model, "module", model) if any(model is m for m in self.job.models) else model
 
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -100,25 +100,35 @@ def gather_object(collectives: Any, device: torch.device, obj: Any) -> list[Any]
     return parts
 
 
-def in_loader_order(gathered: Any, counts: list[int], batch_len: int, world_size: int) -> Any:
+def in_loader_order(gathered: Any, counts: list[int], batch_len: int, world_size: int,
+                    full_batch_len: int | None = None) -> Any:
     """Per-sample rows of a gathered batch (tensors, or a flattened object list) in the loader's order,
     without the repeats: row ``i`` of rank ``r`` is sample ``i * world_size + r`` of the batch, real when
     ``i < counts[r]``.
 
-    ``batch_len``: samples per rank in the batch; values whose per-rank part has another length are
-    not per-sample and stay as gathered.
+    ``batch_len``: samples per rank in the batch. In a batch that holds repeats, a value whose per-rank
+    parts have another length keeps each rank's first ``counts[r]`` rows (``loss.repeat(batch_size)``
+    in the transformers examples); elsewhere such a value is not per-sample and stays as gathered.
+    ``full_batch_len``: the loader's batch size; in a smaller last batch, a value with that many rows
+    per rank is read as rows of a full batch, of which the first ``counts[r]`` are real (the transformers
+    Trainer gathers each batch's loss repeated batch-size times, and Accelerate keeps the real ones).
     """
-    order = [r * batch_len + i for i in range(batch_len) for r in range(world_size) if i < counts[r]]
     has_repeats = sum(counts) < batch_len * world_size
+    smaller_last = full_batch_len is not None and batch_len < full_batch_len
+
+    def order(per_rank: int) -> list[int]:
+        return [r * per_rank + i for i in range(per_rank) for r in range(world_size) if i < counts[r]]
 
     def arrange(rows: Any) -> Any:
         total = len(rows) if not isinstance(rows, torch.Tensor) else (rows.shape[0] if rows.dim() else 0)
+        part = total // world_size if total and total % world_size == 0 else 0
         if total == batch_len * world_size:  # one row per sample of this batch
-            keep = order
-        elif has_repeats and total and total % world_size == 0:  # per-rank parts of another length
-            part = total // world_size
-            keep = [r * part + i for r in range(world_size) for i in range(min(part, counts[r]))]
-        else:
+            keep = order(batch_len)
+        elif part and (has_repeats or (smaller_last and part == full_batch_len)):
+            # Per-rank parts of another length (``loss.repeat(batch_size)``): each rank's first
+            # ``counts[r]`` rows are its real samples, as Accelerate keeps the first ``remainder``.
+            keep = order(part)
+        else:  # not one row per sample of this batch
             return rows
         if isinstance(rows, torch.Tensor):
             return rows[torch.tensor(keep, dtype=torch.long, device=rows.device)]

@@ -378,6 +378,11 @@ class GradientState:
         return {"num_steps": job.gradient_accumulation_steps, "adjust_scheduler": job.adjust_scheduler,
                 "sync_with_dataloader": job.sync_with_dataloader, "sync_each_batch": job.sync_each_batch}
 
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        """Say whether this micro-step ends the accumulation window (Accelerate's setter; the
+        transformers Trainer counts its window itself and calls it before each micro-step)."""
+        self._job.sync_gradients = bool(sync_gradients)
+
     @property
     def active_dataloader(self) -> Any:
         return self._job.active_loader()

@@ -1,8 +1,9 @@
-"""Command-line arguments of finetune.py: the openMind/Hugging Face Trainer names, parsed into a dataclass.
+"""Command-line arguments of finetune_loop.py (the own-loop version; finetune.py parses with the Trainer's
+HfArgumentParser): the openMind/Hugging Face Trainer names, parsed into a dataclass.
 
 The run command of the openMind Qwen guide works unchanged::
 
-    torchrun --nproc_per_node=8 finetune.py --model_name_or_path PyTorch-NPU/qwen1.5_7b_chat \\
+    torchrun --nproc_per_node=8 finetune_loop.py --model_name_or_path PyTorch-NPU/qwen1.5_7b_chat \\
         --data_path alpaca_data.json --deepspeed ds_config.json --bf16 True --output_dir ./test/output \\
         --max_steps 2000 --per_device_train_batch_size 1 --evaluation_strategy "no" --save_strategy "steps" \\
         --save_steps 3000 --save_total_limit 1 --learning_rate 1e-6 --weight_decay 0. --warmup_ratio 0.03 \\
@@ -154,7 +155,7 @@ def _fsdp_words(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser behind :func:`parse_args` (exposed for --help and tests)."""
-    p = argparse.ArgumentParser(prog="finetune.py", description="Alpaca supervised fine-tuning of a causal LM on xshard.")
+    p = argparse.ArgumentParser(prog="finetune_loop.py", description="Alpaca supervised fine-tuning of a causal LM on xshard.")
     d = FinetuneArguments  # defaults
 
     def flag(name: str, default: bool, help_text: str) -> None:

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The openMind guide's Qwen1.5-7B-Chat Alpaca fine-tune on 8 Ascend NPUs, run on xshard.
-# Same arguments as the guide; DeepSpeed's config file is read by xshard (no DeepSpeed needed).
+# The guide's Trainer script (finetune.py) with the guide's exact arguments; DeepSpeed's config file is read by
+# xshard (no DeepSpeed needed), and --evaluation_strategy / --warmup_ratio, the transformers 4 names the guide
+# uses, are read by xshard's TrainingArguments as --eval_strategy / --warmup_steps (a ratio below 1).
 #   MODEL=/path/to/qwen1.5_7b_chat DATA=/path/to/alpaca_data.json bash run_npu8.sh
-# MODEL is a local folder (the run is offline); each rank reads only its shard of the weights.
+# MODEL is a local folder (the run is offline). finetune.py loads it with from_pretrained on every rank, as the
+# guide does; finetune_loop.py (same arguments) reads only each rank's shard of the weights.
 # Check the memory first:  xshard estimate --model "$MODEL" --nproc 8 --stage 3 --device-memory 64GB
 # Same run with xshard's launcher:  XSHARD_BACKEND=npu xshard launch --nproc 8 finetune.py <the arguments below>
 # Resume after an interruption: add  --resume_from_checkpoint True  (the latest complete checkpoint in OUTPUT)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The same fine-tune, offline, on 2 CPU processes: with no --model_name_or_path and no --data_path,
+# The same Trainer fine-tune, offline, on 2 CPU processes: with no --model_name_or_path and no --data_path,
 # finetune.py builds a tiny random Qwen2 and a Qwen-style tokenizer and uses data/alpaca_synthetic.json.
 #   bash run_tiny_cpu.sh     (the loss starts near ln(576) = 6.4, the tiny vocabulary's chance level, and falls)
 set -euo pipefail
@@ -19,3 +19,4 @@ XSHARD_BACKEND=cpu torchrun --standalone --nproc_per_node=2 finetune.py \
     --lr_scheduler_type "cosine" \
     --seed 1234 \
     --logging_steps 5
+# The own-loop version takes the same arguments: finetune_loop.py instead of finetune.py

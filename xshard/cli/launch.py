@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -242,12 +243,42 @@ def run_plan(plan: LaunchPlan) -> int:
 
 def launch(opts: LaunchOptions) -> int:
     """Plan and run: the whole of `xshard launch`."""
+    import tempfile
+
+    from xshard.launch_marker import MARKER_ENV, accelerator_was_built
     from xshard.log import get_logger, setup_logging
 
     setup_logging()
     plan = plan_launch(opts)
     get_logger("xshard.launch").info("launching: %s", plan.describe())
-    return run_plan(plan)
+    with tempfile.TemporaryDirectory(prefix="xshard-launch-") as markers:
+        plan.env[MARKER_ENV] = markers
+        code = run_plan(plan)
+        if code == 0 and not accelerator_was_built(markers):
+            print(not_on_xshard_message(plan.env, os.environ), file=sys.stderr)
+    return code
+
+
+def not_on_xshard_message(child_env: Mapping[str, str], env: Mapping[str, str]) -> str:
+    """The one line for a job whose processes never built an xshard Accelerator: what ran instead, the fix,
+    and the settings that therefore had no effect."""
+    from xshard.config.schema import ENV_PREFIX, FIELD_NAMES
+
+    unused = []
+    if CONFIG_ENV in child_env:
+        unused.append(f"--config {child_env[CONFIG_ENV]}")
+    if MIXED_PRECISION_ENV in child_env:
+        unused.append(f"--mixed_precision {child_env[MIXED_PRECISION_ENV]}")
+    # XSHARD_BACKEND chose the launcher and the process count, so it did act; the other fields are the
+    # Accelerator's to read
+    names = [ENV_PREFIX + name.upper() for name in FIELD_NAMES if name != "backend"] + [CONFIG_ENV]
+    unused += [f"{name}={env[name]}" for name in names if name in env and name not in child_env]
+    message = ("xshard launch: no process of this job built an xshard Accelerator, so the script ran without "
+               "xshard (stock Accelerate or the stock Trainer); change its import to `from xshard import "
+               "Accelerator` or `from xshard.trainer import Trainer, TrainingArguments`")
+    if unused:
+        message += f"; these settings had no effect: {', '.join(unused)}"
+    return message
 
 
 # ---------------------------------------------------------------------------- command line

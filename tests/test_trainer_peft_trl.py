@@ -1,0 +1,96 @@
+"""Trainer scripts beyond the plain model: a PEFT LoRA model through xshard's Trainer, and TRL's SFTTrainer
+through ``xshard.trainer.TrainerMixin`` with TRL's own ``SFTConfig``.
+
+- LoRA on 2 processes (stage 3): the base weights stay as loaded, the adapter trains, and the adapter that
+  ``save_model`` and every checkpoint write reloads in PEFT (``PeftModel.from_pretrained``) with the
+  trained values.
+- TRL: in one process the mixin gives TRL's own losses; on 2 processes the stock ``SFTConfig`` (which knows
+  nothing of xshard) sees 2 processes, so each step reads the global batch of both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+DATA = ROOT / "examples" / "qwen_finetune" / "data" / "alpaca_synthetic.json"
+LAUNCH_2 = [sys.executable, "-m", "xshard", "launch", "--nproc", "2"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 and its tokenizer, saved as a from_pretrained folder (the example's tool)."""
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "qwen_finetune" / "tiny.py"), "--output_dir", str(out),
+                    "--data_path", str(DATA)], check=True, capture_output=True, timeout=120)
+    return out
+
+
+def _run(command: list[str], script: str, args: list[str], trainer: str = "xshard") -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
+    env.update(SFT_TRAINER=trainer, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([*command, str(TESTS / script), *args], capture_output=True, text=True, timeout=400,
+                          cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def test_a_lora_model_trains_on_two_processes_and_its_adapter_reloads_in_peft(tiny_model, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "lora"
+    _run(LAUNCH_2, "trainer_sft_script.py", [
+        "--model_name_or_path", str(tiny_model), "--data_path", str(DATA), "--max_records", "40",
+        "--output_dir", str(out), "--lora_r", "4", "--max_steps", "4", "--per_device_train_batch_size", "2",
+        "--learning_rate", "1e-2", "--logging_steps", "1", "--report_to", "none", "--save_steps", "2",
+        "--disable_tqdm", "true"])
+    trained = load_file(out / "checkpoint-4" / "model.safetensors")  # the whole PEFT model, gathered
+    base = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    lora = {k: v for k, v in trained.items() if ".lora_" in k}
+    assert len(lora) == 2 * 2 * 2  # 2 layers x (q_proj, v_proj) x (A, B)
+    assert all(v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k)  # B starts at zero: it trained
+    for key, value in trained.items():
+        if ".lora_" not in key:  # frozen base weights: exactly as loaded
+            name = key.removeprefix("base_model.model.").replace(".base_layer", "")
+            torch.testing.assert_close(value, base[name], rtol=0, atol=0, msg=key)
+
+    for folder in (out, out / "checkpoint-4"):
+        assert (folder / "adapter_config.json").is_file() and (folder / "adapter_model.safetensors").is_file()
+        reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), folder)
+        state = reloaded.state_dict()
+        for key, value in lora.items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
+
+
+def _trl_losses(out: Path) -> list[float]:
+    history = json.loads((out / "log_history.json").read_text())
+    return [h["loss"] for h in history if "loss" in h]
+
+
+def test_trl_sft_trainer_through_the_mixin_gives_trls_losses(tiny_model, tmp_path):
+    pytest.importorskip("trl")
+    args = [str(tiny_model), str(DATA)]
+    _run([sys.executable], "trl_sft_script.py", [*args, str(tmp_path / "stock")], trainer="stock")
+    _run([sys.executable], "trl_sft_script.py", [*args, str(tmp_path / "xshard")])
+    stock, ours = _trl_losses(tmp_path / "stock"), _trl_losses(tmp_path / "xshard")
+    assert len(ours) == len(stock) == 4
+    assert ours == pytest.approx(stock, rel=1e-5)
+
+    _run(LAUNCH_2, "trl_sft_script.py", [*args, str(tmp_path / "two")])
+    history = json.loads((tmp_path / "two" / "log_history.json").read_text())
+    epochs = [h["epoch"] for h in history if "loss" in h]
+    # 40 records: 4 per process per step is 8 a step on 2 processes (0.2 of an epoch), 4 on one (0.1)
+    assert epochs == pytest.approx([0.2, 0.4, 0.6, 0.8])
+    two = _trl_losses(tmp_path / "two")
+    assert two[-1] < two[0]

@@ -1,0 +1,240 @@
+"""``TrainingArguments``: transformers' class with the Trainer's meaning of each argument, on xshard.
+
+``from xshard.trainer import TrainingArguments`` replaces ``from transformers import TrainingArguments``;
+nothing else in a script changes. What differs from the stock class:
+
+- Devices: the processes, the device and the process group are xshard's backend's (``XSHARD_BACKEND``,
+  ``--use_cpu`` = the cpu backend), not Accelerate's ``PartialState``; ``world_size``, ``process_index``,
+  ``device``, ``parallel_mode`` and ``main_process_first`` answer from it, under ``xshard launch``,
+  ``torchrun`` or torch_xla's launcher alike.
+- ``--deepspeed ds_config.json`` (a path, a dict or JSON text) is read by xshard: DeepSpeed need not be
+  installed (the stock class imports it here). ``deepspeed_plugin`` and ``hf_deepspeed_config`` stay None.
+- ``--fsdp "full_shard auto_wrap offload"``: the words are read by xshard (hybrid_shard and no_shard too;
+  transformers 5 turns them into ``fsdp_config`` entries and ``fsdp=True``), and stay in ``fsdp`` as given
+  (also in ``xshard_fsdp_words``, as a list).
+- ``--bf16`` / ``--fp16``: mixed precision where the device computes in that dtype (also on CPUs, which
+  the stock class refuses without ``--use_cpu``); where it cannot, one warning and an fp32 run
+  (``xshard_precision_fallback`` names what was asked).
+- The openMind guide's transformers-4 names still parse: ``--warmup_ratio R`` is ``--warmup_steps R`` (a
+  number < 1 is a ratio in transformers 5) and ``--evaluation_strategy`` is ``--eval_strategy``.
+- The sharding config (``sharding_config(args)``) is built once here, so a bad value fails when the
+  arguments are parsed, with an ``XShardConfigError`` naming it and the fix.
+
+Other argument classes join with the mixin, e.g. TRL's::
+
+    @dataclass
+    class MyConfig(TrainingArgumentsMixin, trl.SFTConfig):
+        pass
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import transformers
+
+from xshard.config import XShardConfigWarning, parse_text
+from xshard.config.fsdp import hf_fsdp_items
+
+from .config import sharding_config
+
+__all__ = ["TrainingArguments", "TrainingArgumentsMixin", "XShardDistributedState"]
+
+_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _torch_has_accelerator() -> bool:
+    """torch's own test before it pins a loader's memory (its DataLoader asks the same)."""
+    try:
+        return bool(torch.accelerator.is_available())
+    except RuntimeError:  # a PrivateUse1 device whose hooks were never registered: nothing to pin for
+        return False
+
+
+class XShardDistributedState:
+    """``args.distributed_state``: where this process sits, answered by xshard's backend.
+
+    The members the arguments and the Trainer read from Accelerate's ``PartialState``."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+
+    @property
+    def num_processes(self) -> int:
+        return self.backend.world.world_size
+
+    @property
+    def process_index(self) -> int:
+        return self.backend.world.rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self.backend.world.local_rank
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device()
+
+    @property
+    def distributed_type(self) -> Any:
+        from xshard.state import _DATA_PARALLEL, DistributedType
+
+        if self.num_processes == 1:
+            return DistributedType.NO
+        return _DATA_PARALLEL.get(self.backend.device_type, DistributedType.MULTI_CPU)
+
+    def wait_for_everyone(self) -> None:
+        if self.num_processes > 1:
+            self.backend.collectives.barrier()
+
+    def __repr__(self) -> str:
+        return (f"XShardDistributedState(backend={self.backend.name}, process {self.process_index} of "
+                f"{self.num_processes}, device {self.device})")
+
+
+class TrainingArgumentsMixin:
+    """Gives any ``transformers.TrainingArguments`` subclass xshard's meaning (see the module docstring).
+
+    Put it first: ``class MyConfig(TrainingArgumentsMixin, SFTConfig)``."""
+
+    #: what ``sharding_config`` asks to know that the devices are xshard's
+    xshard_arguments = True
+
+    def __post_init__(self) -> None:
+        self._rename_transformers4_arguments()
+        # The stock class imports DeepSpeed for --deepspeed and translates the --fsdp words itself:
+        # xshard reads both, so the stock code sees neither.
+        deepspeed, fsdp = self.deepspeed, self.fsdp
+        words = hf_fsdp_items(fsdp) if fsdp and fsdp is not True else None
+        self.deepspeed = None
+        if words is not None:
+            self.fsdp = True
+        try:
+            super().__post_init__()  # type: ignore[misc]
+        finally:
+            # as the user gave them: a copy (dataclasses.replace) reads them again
+            self.deepspeed, self.fsdp = deepspeed, fsdp
+        self.xshard_fsdp_words = words
+        self.deepspeed_plugin = None
+        self.hf_deepspeed_config = None
+        self._fall_back_precision()
+        sharding_config(self)  # a bad value fails now, naming it; warnings once
+
+    def _rename_transformers4_arguments(self) -> None:
+        ratio = getattr(self, "warmup_ratio", None)
+        if ratio is not None:
+            if self.warmup_steps not in (0, 0.0, None) and self.warmup_steps != ratio:
+                raise ValueError(f"--warmup_ratio {ratio} and --warmup_steps {self.warmup_steps} both set the warmup: "
+                                 "give one (in transformers 5 --warmup_steps below 1 is a ratio)")
+            if not 0 <= float(ratio) < 1:
+                raise ValueError(f"--warmup_ratio {ratio}: a ratio of the total steps in [0, 1) is expected")
+            self.warmup_steps = float(ratio)
+        old = getattr(self, "evaluation_strategy", None)
+        if old is not None:
+            new = str(getattr(self.eval_strategy, "value", self.eval_strategy))
+            old = str(getattr(old, "value", old))
+            if new not in ("no", old):
+                raise ValueError(f"--evaluation_strategy {old} and --eval_strategy {new} disagree: give one "
+                                 "(--eval_strategy is the transformers 5 name)")
+            self.eval_strategy = old
+
+    def _validate_args(self) -> None:
+        # The stock check refuses bf16 on a device without CUDA bf16 unless --use_cpu; xshard asks the
+        # backend instead (_fall_back_precision), once the device is known.
+        if self.bf16 and self.fp16:
+            raise ValueError("--bf16 and --fp16 are both set: choose one")
+        bf16, bf16_full_eval = self.bf16, self.bf16_full_eval
+        self.bf16 = self.bf16_full_eval = False
+        try:
+            super()._validate_args()  # type: ignore[misc]
+        finally:
+            self.bf16, self.bf16_full_eval = bf16, bf16_full_eval
+
+    def _fall_back_precision(self) -> None:
+        """--bf16/--fp16 where the device cannot compute in that dtype: one warning, and fp32."""
+        self.xshard_precision_fallback = None
+        wanted = "bf16" if self.bf16 else "fp16" if self.fp16 else None
+        backend = self.distributed_state.backend
+        if wanted is None or backend.supports(_PRECISION_DTYPES[wanted]):
+            return
+        if backend.world.rank == 0:
+            hint = " (--fp16 gives mixed precision here)" if wanted == "bf16" and backend.supports(torch.float16) else ""
+            warnings.warn(f"--{wanted} was asked for, but the {backend.name} backend cannot compute in "
+                          f"{_PRECISION_DTYPES[wanted]} on {backend.device()}: training in fp32 instead{hint}",
+                          XShardConfigWarning, stacklevel=4)
+        self.xshard_precision_fallback = wanted
+        self.bf16 = self.fp16 = False
+        self.mixed_precision = "no"
+
+    def _xla_fsdp(self) -> bool:
+        """The fsdp_config asks for torch_xla's FSDP (``xla: true``); read before transformers loads the file."""
+        options = self.fsdp_config
+        if isinstance(options, (str, os.PathLike)) and self.fsdp:
+            from xshard.config.schema import _read_bytes
+
+            options = parse_text(_read_bytes(options), os.fspath(options))
+        if not isinstance(options, dict):
+            return False
+        return str(options.get("xla", options.get("fsdp_xla", False))).strip().lower() == "true"
+
+    @functools.cached_property
+    def _setup_devices(self) -> torch.device:
+        """Join the job through xshard's backend (the stock class builds Accelerate's PartialState)."""
+        from xshard.backends import select
+
+        backend = select("cpu" if self.use_cpu else "xla" if self._xla_fsdp() else None).cls()
+        backend.init_process_group(timeout=float(self.ddp_timeout))
+        self.distributed_state = XShardDistributedState(backend)
+        device = backend.device()
+        # the Trainer's n_gpu: devices this process drives with DataParallel (it only asks whether it is
+        # more than one, which it never is here: one device per process)
+        self._n_gpu = 1
+        if not _torch_has_accelerator():
+            self.dataloader_pin_memory = False  # nothing to pin for (torch warns at every loader otherwise)
+        return device
+
+    @property
+    def xshard_config(self) -> Any:
+        """The ``XShardConfig`` of this run (``sharding_config(self)``)."""
+        return sharding_config(self)
+
+
+@dataclass
+class TrainingArguments(TrainingArgumentsMixin, transformers.TrainingArguments):
+    """``transformers.TrainingArguments`` on xshard (see the module docstring); also takes the
+    transformers-4 names the openMind guide uses."""
+
+    warmup_ratio: float | None = field(
+        default=None, metadata={"help": "transformers 4's name: the same as --warmup_steps with a value below 1 "
+                                        "(a ratio of the total training steps)"})
+    evaluation_strategy: str | None = field(
+        default=None, metadata={"help": "transformers 4's name of --eval_strategy"})
+
+    def to_dict(self) -> dict[str, Any]:
+        """As the stock class, without the transformers-4 aliases (their values are in the new names)."""
+        data = super().to_dict()
+        for name in ("warmup_ratio", "evaluation_strategy"):
+            data.pop(name, None)
+        return data
+

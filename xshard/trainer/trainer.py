@@ -1,0 +1,179 @@
+"""``Trainer`` and ``TrainerMixin``: the transformers Trainer's whole loop on xshard's Accelerator.
+
+```python
+from xshard.trainer import Trainer, TrainingArguments        # was: from transformers import ...
+
+class MySFTTrainer(xshard.trainer.TrainerMixin, trl.SFTTrainer):  # any other Trainer subclass
+    pass
+```
+
+The mixin does what the vendor trainers do (Optimum Habana's, Optimum Neuron's): it builds its own
+Accelerate-compatible Accelerator in ``create_accelerator_and_postprocess`` and overrides the checkpoint
+hooks. Everything else is the Trainer's own code: data loading, the loss and its accumulation, clipping,
+the optimizer and scheduler it creates, logging, callbacks, evaluation.
+
+Design notes:
+- xshard plays the part the Trainer gives DDP: ``is_deepspeed_enabled``, ``is_fsdp_enabled`` and the XLA
+  FSDP flags always read False, so none of the Trainer's DeepSpeed / FSDP / torch_xla-FSDP branches run;
+  the sharding (at the config's stage, on every backend) happens in ``accelerator.prepare(model,
+  optimizer)``. ``self.model`` stays the user's module (its Parameters hold this rank's shards) and
+  ``self.model_wrapped`` is the prepared model, as under DDP.
+- The model is not moved to the device before ``prepare``: each rank's shard is placed there.
+- Checkpoints: ``xshard.trainer.checkpoints`` (the xshard state inside the Trainer's ``checkpoint-N``).
+  ``save_model()`` writes the whole weights (gathered to the main process) with ``save_pretrained``, the
+  tokenizer and ``training_args.bin``, as the stock Trainer does; a PEFT model writes its adapter.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from typing import Any
+
+import torch
+import transformers
+from transformers.trainer import TRAINING_ARGS_NAME
+
+from . import checkpoints
+from .runtime import bind_arguments, build_accelerator
+
+__all__ = ["Trainer", "TrainerMixin"]
+
+
+def _always_false(name: str) -> property:
+    """A Trainer flag that reads False whatever the Trainer assigns (see the module's design notes)."""
+
+    def get(self: Any) -> bool:
+        return False
+
+    def set_(self: Any, value: Any) -> None:
+        pass  # the Trainer assigns these from its arguments; on xshard the branch they select never runs
+
+    return property(get, set_, doc=f"``{name}``: always False on xshard (xshard's Accelerator shards the model).")
+
+
+class TrainerMixin:
+    """Runs a ``transformers.Trainer`` (or a subclass) on xshard: put it first in the bases."""
+
+    is_deepspeed_enabled = _always_false("is_deepspeed_enabled")
+    is_fsdp_enabled = _always_false("is_fsdp_enabled")
+    is_fsdp_xla_enabled = _always_false("is_fsdp_xla_enabled")
+    is_fsdp_xla_v1_enabled = _always_false("is_fsdp_xla_v1_enabled")
+    is_fsdp_xla_v2_enabled = _always_false("is_fsdp_xla_v2_enabled")
+
+    # ------------------------------------------------------------------ the Accelerator
+    def create_accelerator_and_postprocess(self) -> None:
+        """Build xshard's Accelerator from the arguments (``sharding_config``) and bind the arguments'
+        view of the processes to it."""
+        self.accelerator = build_accelerator(self.args)
+        bind_arguments(self.args, self.accelerator)
+        self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
+                                                 use_gather_object=self.args.eval_use_gather_object)
+
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        """Nothing: ``prepare`` places each rank's shard on its device (the whole model never is)."""
+
+    def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        """The prepared model when there is one (``prepare`` shards; nothing else wraps)."""
+        prepared = self._prepared_model()
+        return prepared if prepared is not None else super()._wrap_model(model, training, dataloader)
+
+    def _prepared_model(self) -> Any:
+        """The prepared (sharded) model holding ``self.model``, or None before ``prepare``."""
+        for prepared in self.accelerator._models:
+            if prepared is self.model or getattr(prepared, "module", None) is self.model:
+                return prepared
+        return None
+
+    # ------------------------------------------------------------------ saving
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Whole weights that ``from_pretrained`` loads (a PEFT model: its adapter), the tokenizer and the
+        arguments; every process must call it. Inside a checkpoint: xshard's state of the job instead."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if getattr(self, "_xshard_saving_checkpoint", False):
+            self._save_job_state(output_dir)
+            return
+        prepared = self._prepared_model()
+        state_dict = self.accelerator.get_state_dict(prepared) if prepared is not None else None
+        self._save(output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's checkpoint (its ``save_model`` call writes xshard's state; see ``checkpoints``)."""
+        self._xshard_saving_checkpoint = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._xshard_saving_checkpoint = False
+
+    def _save_job_state(self, output_dir: str) -> None:
+        checkpoints.save_job_state(self.accelerator.job, output_dir, self.lr_scheduler,
+                                   with_optimizer=not self.args.save_only_model)
+        if _is_peft_model(self.model):
+            # as in the stock Trainer's checkpoints, the adapter alone too (what PeftModel.from_pretrained loads)
+            state_dict = self.accelerator.get_state_dict(self._prepared_model())
+            if self.args.should_save:
+                self.model.save_pretrained(output_dir, state_dict=state_dict)
+        if not self.args.should_save:
+            return
+        tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Nothing: the optimizer and scheduler are in the checkpoint's xshard state already."""
+
+    def _save_scaler(self, output_dir: str) -> None:
+        """Nothing: the fp16 grad scaler is in the checkpoint's xshard state."""
+
+    # ------------------------------------------------------------------ resuming
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; ``resume_from_checkpoint=True`` takes the newest complete checkpoint."""
+        if resume_from_checkpoint is True:
+            found = checkpoints.latest(self.args.output_dir)
+            if found is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir}): "
+                                 "train without resume_from_checkpoint for a first run")
+            resume_from_checkpoint = str(found)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Nothing yet: the checkpoint is loaded once the model is prepared (``_load_optimizer_and_scheduler``)."""
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Load the model, optimizer, scheduler, scaler and step from the checkpoint's xshard state."""
+        if checkpoint is not None:
+            checkpoints.load_job_state(self.accelerator.job, checkpoint, self.lr_scheduler)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        """Nothing: ``_load_optimizer_and_scheduler`` restored the fp16 grad scaler."""
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's weights into the prepared model."""
+        checkpoints.load_model_weights(self._prepared_model(), self.state.best_model_checkpoint)
+
+
+def _is_peft_model(model: Any) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+class Trainer(TrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` on xshard: the same arguments and behaviour, sharded at the config's stage."""
+
+
+# The mixin overrides these Trainer methods; a transformers release that renames one would silently
+# bypass xshard's version, so the import fails instead, naming it.
+_HOOKS = ("create_accelerator_and_postprocess", "_move_model_to_device", "_wrap_model", "save_model",
+          "_save_checkpoint", "_save_optimizer_and_scheduler", "_save_scaler", "_load_from_checkpoint",
+          "_load_optimizer_and_scheduler", "_load_scaler", "_load_best_model", "_save", "train")
+_missing = [name for name in _HOOKS if not inspect.isfunction(getattr(transformers.Trainer, name, None))]
+if _missing:
+    raise ImportError(f"xshard.trainer: transformers {transformers.__version__}'s Trainer has no {', '.join(_missing)}; "
+                      "this xshard supports the Trainer of transformers 5.x")
