@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from . import replica_threads
 from .base import Backend, StepPatch, World
 from .collectives import Collectives
 from .launchers.xla import XLALauncher, cpu_replicas_env
@@ -275,8 +276,21 @@ class XLABackend(Backend):
 
     # ------------------------------------------------------------------ training hooks
     def mark_step(self) -> None:
-        """Cut the traced graph here and run it (torch_xla.sync, or xm.mark_step on older torch_xla)."""
+        """Cut the traced graph here and run it (torch_xla.sync, or xm.mark_step on older torch_xla).
+
+        XLA:CPU replicas (threads of one process) first meet at a host-side barrier, so that they
+        compile the new graph together (see ``replica_threads``).
+        """
+        if self.world.world_size > 1 and self._replicas_are_threads():
+            replica_threads.align(self.world.world_size)
         sync_graph()
+
+    def _replicas_are_threads(self) -> bool:
+        """Are this job's replicas threads of one process? (XLA:CPU: one thread per virtual device.)"""
+        threads = getattr(self, "_threads", None)
+        if threads is None:
+            threads = self._threads = self.runtime_device_type() == "CPU" and self.device_count() > 1
+        return threads
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()`` then ``mark_step``; never xm.optimizer_step's gradient all-reduce."""
