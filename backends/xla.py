@@ -265,14 +265,15 @@ class XLABackend(Backend):
             return self.local_collectives()
         # XLA:CPU replicas are threads that compile their own copies of each graph (see
         # XLACollectives.channel_ids); TPU replicas keep torch_xla's defaults (pinned layouts).
-        return XLACollectives(
-            self.world.rank, self.world.world_size, channel_ids=self.runtime_device_type() == "CPU"
-        )
+        threads = self.world.world_size if self._replicas_are_threads() else 1
+        return XLACollectives(self.world.rank, self.world.world_size,
+                              channel_ids=self.runtime_device_type() == "CPU", process_replicas=threads)
 
     def _subgroup_collectives(self, groups: tuple[tuple[int, ...], ...], mine: tuple[int, ...]) -> Collectives:
         """Collectives within ``mine``: torch_xla's replica groups (``groups=`` on every collective)."""
-        return XLACollectives(mine.index(self.world.rank), len(mine),
-                              channel_ids=self.runtime_device_type() == "CPU", groups=[list(g) for g in groups])
+        threads = self.world.world_size if self._replicas_are_threads() else 1
+        return XLACollectives(mine.index(self.world.rank), len(mine), channel_ids=self.runtime_device_type() == "CPU",
+                              groups=[list(g) for g in groups], process_replicas=threads)
 
     # ------------------------------------------------------------------ training hooks
     def mark_step(self) -> None:
@@ -284,6 +285,14 @@ class XLABackend(Backend):
         if self.world.world_size > 1 and self._replicas_are_threads():
             replica_threads.align(self.world.world_size)
         sync_graph()
+
+    def optimization_barrier(self, tensors: list[torch.Tensor]) -> None:
+        """``xm.optimization_barrier_`` (in place): the sharded core fences each unit's gathers and
+        reduce-scatters with it, as torch_xla's FSDP does, so that the compiler can neither gather a
+        unit before the previous unit's output exists nor merge a forward gather with the backward's
+        (either would keep several units' full parameters alive at once)."""
+        if tensors:
+            xla_model().optimization_barrier_(list(tensors))
 
     def _replicas_are_threads(self) -> bool:
         """Are this job's replicas threads of one process? (XLA:CPU: one thread per virtual device.)"""

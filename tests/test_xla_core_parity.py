@@ -31,7 +31,7 @@ ATOL = 1e-5
 
 
 def run_two_replicas(*args):
-    """``train_core_on_xla`` on 2 replicas (a slow first rendezvous is retried by ``run_replicas``)."""
+    """``train_core_on_xla`` on 2 replicas (one run, see ``run_replicas``)."""
     return run_replicas(train_core_on_xla, 2, *args, timeout=240)
 
 

@@ -90,7 +90,7 @@ class ShardedModel(nn.Module):
                              "stage 1-3 and fill the shards with xshard.sharding.materialize "
                              "(xshard.pretrained.from_pretrained_sharded does both)")
         if options.sync_module_states and self.collectives.world_size > 1 and recording is None:
-            sync_module_states(module, self.collectives, device)
+            sync_module_states(module, self.collectives, device, backend.mark_step)
         cast_buffers(module, device, plan.precision.buffer_dtype)
         self.groups = ProcessGroups.make(backend, plan)
         shard = self.groups.shard
@@ -99,6 +99,7 @@ class ShardedModel(nn.Module):
             device=device, shard_device=torch.device("cpu") if plan.offload else device, plan=plan,
             frees_storage_by_resize=backend.frees_storage_by_resize,
             replicas=self.groups.replicas, post_forward=self.groups.post_forward, rebound=rebound,
+            fence=backend.optimization_barrier, compiles_graphs=backend.compiles_graphs,
         )
         specs = split_into_units(module, options)
         if options.activation_checkpointing:

@@ -10,7 +10,7 @@ model.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -33,8 +33,12 @@ def _buckets(tensors: list[torch.Tensor], capacity: int) -> Iterator[list[torch.
         yield run
 
 
-def sync_module_states(module: nn.Module, collectives, device: torch.device) -> None:
-    """Broadcast rank 0's parameters and buffers to every rank (see the module docstring)."""
+def sync_module_states(module: nn.Module, collectives, device: torch.device, mark_step: Callable[[], None]) -> None:
+    """Broadcast rank 0's parameters and buffers to every rank (see the module docstring).
+
+    ``mark_step`` (the backend's) cuts the graph after each broadcast: on XLA:CPU the replica threads
+    meet there before compiling it (a read alone would compile and run it unaligned).
+    """
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in list(dict.fromkeys(module.parameters())) + list(module.buffers()):
         if t.numel():
@@ -50,6 +54,7 @@ def sync_module_states(module: nn.Module, collectives, device: torch.device) -> 
                     flat[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
                     offset += t.numel()
                 collectives.broadcast(flat, src=0, tag=f"broadcast of rank 0's initial {dtype} weights")
+                mark_step()
                 # one read of the whole bucket: on XLA each read of a piece would run the broadcast again
                 host = flat.cpu()
                 offset = 0
