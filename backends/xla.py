@@ -348,7 +348,16 @@ class XLABackend(Backend):
         return module
 
     def wrap_dataloader(self, loader: Any) -> Any:
-        """torch_xla's MpDeviceLoader: batches are moved to the device in the background."""
+        """torch_xla's MpDeviceLoader: batches are moved to the device in the background.
+
+        Not for replicas that are threads of one process (XLA:CPU, a testing mode): the loader's
+        background threads (loading, transfers, and a graph cut per batch, one set per replica) run
+        beside the replica threads in one process, and a replica held up there reaches the step's
+        first collective late, past XLA:CPU's fixed 10 s. The prepared loader moves each batch to the
+        device itself, and the step's graph is cut at the optimizer step.
+        """
+        if self.world.world_size > 1 and self._replicas_are_threads():
+            return loader
         from torch_xla.distributed.parallel_loader import MpDeviceLoader
 
         return MpDeviceLoader(loader, self.device())
