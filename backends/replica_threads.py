@@ -7,9 +7,9 @@ at different moments start compiling apart by that much. Meeting here first (a h
 no collective) makes them start compiling together, so the wait in the collective is only the
 difference between two compiles of the same graph.
 
-The barrier can never hang a job: a replica that does not arrive within ``TIMEOUT_S`` (it raised,
-or some code cut a graph on one replica only) breaks it, the waiting replicas go on, and the
-barrier stays off for the rest of the process (with one log line).
+The barrier can never hang a job: a replica that raises releases it (``release``, called by the xla
+launcher), and one that does not arrive within ``TIMEOUT_S`` (some code cut a graph on one replica
+only) breaks it; the waiting replicas go on, and the barrier stays off for the rest of the process.
 """
 
 from __future__ import annotations
@@ -44,3 +44,12 @@ def align(world_size: int) -> None:
                 _off = True
                 log.warning("xla: the replica threads did not all reach a graph cut within %.0f s (a replica "
                             "failed, or cut a graph alone); they no longer wait for each other there", TIMEOUT_S)
+
+
+def release() -> None:
+    """A replica thread failed: let the others go on at once (and stop meeting for the rest of the process)."""
+    global _off
+    with _lock:
+        _off = True
+        if _barrier is not None:
+            _barrier.abort()

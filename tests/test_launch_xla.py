@@ -185,3 +185,31 @@ def test_a_killed_xla_launcher_takes_its_replica_processes_with_it(tmp_path) -> 
     finally:
         launcher.kill()
         kill_all(pids)
+
+
+RAISER = r'''
+import torch
+import torch_xla.runtime as xr
+from xshard.backends import get_backend
+
+backend = get_backend()
+if backend.world.rank == 1:
+    raise ValueError("replica one cannot go on")
+t = torch.ones(2, device=backend.device())
+backend.collectives.all_reduce(t, op="sum")  # replica 0 waits here for replica 1, which never comes
+backend.mark_step()
+print(t.cpu())
+'''
+
+
+@pytest.mark.xla
+@needs_torch_xla
+def test_a_replicas_own_exception_is_shown_first_with_its_number(tmp_path) -> None:
+    script = tmp_path / "raiser.py"
+    script.write_text(RAISER)
+    proc = _xla_launch(["--nproc", "2", str(script)], _xla_env(), timeout=300)
+    assert proc.returncode != 0
+    shown = proc.stderr.find("xshard launch: replica 1 raised:")
+    assert shown >= 0 and "ValueError: replica one cannot go on" in proc.stderr, proc.stderr[-3000:]
+    later = [proc.stderr.find(m) for m in ("Termination timeout", "replica process died") if m in proc.stderr]
+    assert all(shown < i for i in later), proc.stderr[-3000:]  # before XLA ends the process, not lost in it

@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from .. import replica_threads
 from .base import Launcher, LaunchError, LaunchPlan, LaunchRequest, run_child
 from .parent_death import tie_to_parent
 from .preload import preload_imports
@@ -130,4 +131,5 @@ def run_script(index: int, command: Sequence[str], spawner_pid: int) -> None:
         raise
     except BaseException:
         print(f"xshard launch: replica {index} raised:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        replica_threads.release()  # the others must not wait for it at a graph cut
         raise
