@@ -20,7 +20,7 @@ import threading
 log = logging.getLogger("xshard.backends")
 
 #: how long a replica waits for the others at a graph cut before the barrier is given up
-TIMEOUT_S = 60.0
+TIMEOUT_S = 300.0
 
 _lock = threading.Lock()
 _barrier: threading.Barrier | None = None
