@@ -67,8 +67,8 @@ def test_minimal_example_learns_the_same_on_xla_as_on_cpu() -> None:
 
 @pytest.mark.xfail(strict=False, reason=(
     "XLA:CPU ends the process when a replica thread reaches a collective more than a fixed 10 s after the "
-    "other; measured on the shared 2-core machine: passed 2 of 2 runs at load average ~3, and about half "
-    "the runs at load average 14-19 (aborting at an epoch's end); see the README's XLA:CPU section"))
+    "other; measured on the shared 2-core machine with this code: finished 3 of 7 runs (load average 4-19), "
+    "the others aborted in the first all-gather of a graph at an epoch's end; see the README's XLA:CPU section"))
 def test_the_readmes_two_device_command_runs_the_minimal_example_at_its_default_size() -> None:
     """`XSHARD_BACKEND=xla PJRT_DEVICE=CPU xshard launch --nproc 2 examples/minimal.py`, as the README
     gives it (2048 samples, 4 epochs: 256 steps a replica), once, with no retry."""
