@@ -43,21 +43,21 @@ def lazy_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 def _script(tmp_path: Path, package: str) -> Path:
     folder = tmp_path / "job"
     folder.mkdir()
-    (folder / "helper.py").write_text(textwrap.dedent(f"""
+    (folder / "ownmodule.py").write_text(textwrap.dedent(f"""
         import json
         def build():
             from {package} import Tokenizer  # a lazy import inside a function, in the script's own module
             return Tokenizer()
         """))
     script = folder / "train.py"
-    script.write_text("from __future__ import annotations\nimport helper\nimport os.path\n")
+    script.write_text("from __future__ import annotations\nimport ownmodule\nimport os.path\n")
     return script
 
 
 def test_the_imports_of_the_script_and_its_own_modules_are_found_not_its_modules(tmp_path, lazy_package) -> None:
     found = dict(third_party_imports(_script(tmp_path, lazy_package)))
     assert found[lazy_package] == ("Tokenizer",) and "json" in found and "os.path" in found
-    assert "helper" not in found and "__future__" not in found  # the script's own module runs when it says
+    assert "ownmodule" not in found and "__future__" not in found  # the script's own module runs when it says
 
 
 def test_replica_threads_resolve_a_lazy_package_once_before_running(tmp_path, lazy_package) -> None:
@@ -70,4 +70,4 @@ def test_replica_threads_resolve_a_lazy_package_once_before_running(tmp_path, la
     package = sys.modules[lazy_package]
     assert package.loads == ["Tokenizer"]  # one thread did it; the others waited and found it done
     assert f"{lazy_package}.tokenizer" in sys.modules
-    assert "helper" not in sys.modules
+    assert "ownmodule" not in sys.modules
