@@ -177,5 +177,10 @@ class DeviceAPI:
         """Wrap a data loader so batches arrive on this device (XLA: MpDeviceLoader)."""
         return loader
 
+    def optimization_barrier(self, tensors: list[torch.Tensor]) -> None:
+        """Keep a graph compiler from moving work across this point: every later use of ``tensors``
+        waits for all of them (XLA: ``xm.optimization_barrier_``, in place). Eager devices run in
+        program order: nothing to do."""
+
     def mark_step(self) -> None:
         """End of a training step (XLA cuts the graph here; eager devices do nothing)."""

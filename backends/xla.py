@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from . import replica_threads
 from .base import Backend, StepPatch, World
 from .collectives import Collectives
 from .launchers.xla import XLALauncher, cpu_replicas_env
@@ -264,19 +265,41 @@ class XLABackend(Backend):
             return self.local_collectives()
         # XLA:CPU replicas are threads that compile their own copies of each graph (see
         # XLACollectives.channel_ids); TPU replicas keep torch_xla's defaults (pinned layouts).
-        return XLACollectives(
-            self.world.rank, self.world.world_size, channel_ids=self.runtime_device_type() == "CPU"
-        )
+        threads = self.world.world_size if self._replicas_are_threads() else 1
+        return XLACollectives(self.world.rank, self.world.world_size,
+                              channel_ids=self.runtime_device_type() == "CPU", process_replicas=threads)
 
     def _subgroup_collectives(self, groups: tuple[tuple[int, ...], ...], mine: tuple[int, ...]) -> Collectives:
         """Collectives within ``mine``: torch_xla's replica groups (``groups=`` on every collective)."""
-        return XLACollectives(mine.index(self.world.rank), len(mine),
-                              channel_ids=self.runtime_device_type() == "CPU", groups=[list(g) for g in groups])
+        threads = self.world.world_size if self._replicas_are_threads() else 1
+        return XLACollectives(mine.index(self.world.rank), len(mine), channel_ids=self.runtime_device_type() == "CPU",
+                              groups=[list(g) for g in groups], process_replicas=threads)
 
     # ------------------------------------------------------------------ training hooks
     def mark_step(self) -> None:
-        """Cut the traced graph here and run it (torch_xla.sync, or xm.mark_step on older torch_xla)."""
+        """Cut the traced graph here and run it (torch_xla.sync, or xm.mark_step on older torch_xla).
+
+        XLA:CPU replicas (threads of one process) first meet at a host-side barrier, so that they
+        compile the new graph together (see ``replica_threads``).
+        """
+        if self.world.world_size > 1 and self._replicas_are_threads():
+            replica_threads.align(self.world.world_size)
         sync_graph()
+
+    def optimization_barrier(self, tensors: list[torch.Tensor]) -> None:
+        """``xm.optimization_barrier_`` (in place): the sharded core fences each unit's gathers and
+        reduce-scatters with it, as torch_xla's FSDP does, so that the compiler can neither gather a
+        unit before the previous unit's output exists nor merge a forward gather with the backward's
+        (either would keep several units' full parameters alive at once)."""
+        if tensors:
+            xla_model().optimization_barrier_(list(tensors))
+
+    def _replicas_are_threads(self) -> bool:
+        """Are this job's replicas threads of one process? (XLA:CPU: one thread per virtual device.)"""
+        threads = getattr(self, "_threads", None)
+        if threads is None:
+            threads = self._threads = self.runtime_device_type() == "CPU" and self.device_count() > 1
+        return threads
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.step()`` then ``mark_step``; never xm.optimizer_step's gradient all-reduce."""
@@ -325,7 +348,16 @@ class XLABackend(Backend):
         return module
 
     def wrap_dataloader(self, loader: Any) -> Any:
-        """torch_xla's MpDeviceLoader: batches are moved to the device in the background."""
+        """torch_xla's MpDeviceLoader: batches are moved to the device in the background.
+
+        Not for replicas that are threads of one process (XLA:CPU, a testing mode): the loader's
+        background threads (loading, transfers, and a graph cut per batch, one set per replica) run
+        beside the replica threads in one process, and a replica held up there reaches the step's
+        first collective late, past XLA:CPU's fixed 10 s. The prepared loader moves each batch to the
+        device itself, and the step's graph is cut at the optimizer step.
+        """
+        if self.world.world_size > 1 and self._replicas_are_threads():
+            return loader
         from torch_xla.distributed.parallel_loader import MpDeviceLoader
 
         return MpDeviceLoader(loader, self.device())

@@ -77,11 +77,14 @@ class XLACollectives(Collectives):
             forever. Numbering restarts whenever the graph is cut (a step closure registered with
             the graph's first collective), so every step traces the same ids and compiles once.
             TPUs run one program per process with pinned layouts and do not need this.
+        process_replicas: how many replicas are threads of this process (XLA:CPU: the whole job).
     """
 
     def __init__(self, rank: int, world_size: int, channel_ids: bool = False,
-                 groups: list[list[int]] | None = None) -> None:
+                 groups: list[list[int]] | None = None, process_replicas: int = 1) -> None:
         super().__init__()
+        #: replicas that are threads of this process (XLA:CPU: the job's world), which meet before a cut
+        self.process_replicas = process_replicas
         self.rank = rank
         self.world_size = world_size
         self.channel_ids = channel_ids
@@ -160,9 +163,13 @@ class XLACollectives(Collectives):
         if not self.channel_ids:
             self._xm.rendezvous("xshard.barrier")
             return
-        # xm.rendezvous is itself a collective without a channel id; wait on one of ours instead.
+        # xm.rendezvous is itself a collective without a channel id; wait on one of ours instead,
+        # in a graph the replica threads compile together (see replica_threads)
         import torch_xla
 
+        from . import replica_threads
+
         token = self._reduced(torch.zeros(1, device=torch_xla.device()), "sum")
+        replica_threads.align(self.process_replicas)
         torch_xla.sync()
         token.cpu()

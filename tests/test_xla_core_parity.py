@@ -31,7 +31,7 @@ ATOL = 1e-5
 
 
 def run_two_replicas(*args):
-    """``train_core_on_xla`` on 2 replicas (a slow first rendezvous is retried by ``run_replicas``)."""
+    """``train_core_on_xla`` on 2 replicas (one run, see ``run_replicas``)."""
     return run_replicas(train_core_on_xla, 2, *args, timeout=240)
 
 
@@ -59,6 +59,10 @@ def test_two_xla_replicas_train_like_one_cpu_process(stage: int, checkpointing: 
         assert (res["patched"], res["restored"]) == (stage >= 1, True)
 
 
+@pytest.mark.xfail(strict=False, reason=(
+    "4 XLA:CPU replica threads on 2 cores: XLA:CPU ends the process when one reaches a collective more than a "
+    "fixed 10 s after another; measured: aborted in a replica-group all-gather in 1 of 1 run at load average "
+    "~14 on the shared machine (it was retried and then skipped before)"))
 def test_hybrid_sharding_on_four_xla_replicas_trains_like_one_cpu_process() -> None:
     """2 shard groups of 2 replicas (torch_xla replica groups): gathers and reduce-scatters within
     [0 1] and [2 3], the reduced shards averaged across [0 2] and [1 3]."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -29,8 +30,7 @@ XLA_ENV = {"XSHARD_BACKEND": "xla", "PJRT_DEVICE": "CPU"}
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: int = 600) -> str:
-    """``cmd`` from the repository root; on XLA:CPU a slow replica's compile can pass the runtime's fixed
-    10 s rendezvous wait, which ``run_command`` reruns (see tests/xla_replicas.py)."""
+    """``cmd`` from the repository root, once; it must succeed."""
     from xla_replicas import run_command
 
     proc = run_command(cmd, {**os.environ, **env}, timeout)
@@ -63,6 +63,23 @@ def test_minimal_example_learns_the_same_on_xla_as_on_cpu() -> None:
     # generator, so the last epoch's loss varies from run to run: over 10 runs 0.043-0.082 against the
     # CPU processes' 0.0572 (4 of the 10 matched it to every digit).
     assert 0.5 * two_cpu[-1] <= two_xla[-1] <= 2 * two_cpu[-1], (two_xla, two_cpu)
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "XLA:CPU ends the process when a replica thread reaches a collective more than a fixed 10 s after the "
+    "other; measured on the shared 2-core machine with this code: finished 3 of 7 runs (load average 4-19), "
+    "the others aborted in the first all-gather of a graph at an epoch's end; see the README's XLA:CPU section"))
+def test_the_readmes_two_device_command_runs_the_minimal_example_at_its_default_size() -> None:
+    """`XSHARD_BACKEND=xla PJRT_DEVICE=CPU xshard launch --nproc 2 examples/minimal.py`, as the README
+    gives it (2048 samples, 4 epochs: 256 steps a replica), once, with no retry."""
+    pytest.importorskip("torch_xla")
+    env = {k: v for k, v in os.environ.items() if k not in ("CPU_NUM_DEVICES", "XLA_THREAD_POOL_SIZE")}
+    proc = subprocess.run([sys.executable, "-m", "xshard", "launch", "--nproc", "2", "examples/minimal.py"],
+                          env={**env, **XLA_ENV}, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Termination timeout" not in proc.stderr, proc.stderr[-4000:]
+    losses = _losses(proc.stdout)
+    assert len(losses) == 4 and losses[-1] < 0.5 * losses[0], losses
 
 
 def _compiles(tmp_path: Path, steps: int, multiple: int) -> list[int]:

@@ -26,49 +26,18 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-#: what XLA:CPU prints when it kills the process in a first collective that a replica reached late
-RENDEZVOUS_ABORT = "Termination timeout for"
-ATTEMPTS = 4
-
-
-class RendezvousAbort(AssertionError):
-    """XLA:CPU aborted a first collective because one replica thread was still compiling."""
-
-
 def run_replicas(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> list[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` XLA:CPU replicas; results in rank order.
 
-    XLA:CPU replicas are threads that each compile their own copy of a graph; the first to finish
-    waits in the graph's first collective for the others, and XLA:CPU kills the process when that
-    wait passes a fixed 10 seconds (no flag raises it in torch_xla 2.9). On a 2-core machine one
-    compile can lag that much, even with nothing else running. That abort, and only that, is retried
-    (``ATTEMPTS`` runs in all); if every attempt ends that way the test is skipped with the reason.
-    Any other failure fails the test at once.
+    One run, no retry: a replica's failure, XLA:CPU's abort in a collective included, fails the test
+    with the replica's stderr.
     """
-    import pytest
-
-    for attempt in range(1, ATTEMPTS + 1):
-        try:
-            return _run_once(fn, world_size, args, timeout)
-        except RendezvousAbort as exc:
-            last = exc
-            print(f"attempt {attempt}/{ATTEMPTS}: XLA:CPU aborted a slow first rendezvous", file=sys.stderr)
-    pytest.skip(f"XLA:CPU's fixed 10 s first-collective rendezvous was exceeded in all {ATTEMPTS} attempts "
-                f"(a replica thread still compiling); last error:\n{str(last)[-1500:]}")
+    return _run_once(fn, world_size, args, timeout)
 
 
 def run_command(cmd: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """``cmd`` (e.g. ``xshard launch`` on XLA:CPU) as a user runs it, from the repository root, rerun
-    where XLA:CPU aborted a slow first rendezvous (see ``run_replicas``), else returned as it ended;
-    skipped with the reason when every attempt ends in that abort."""
-    import pytest
-
-    for _ in range(ATTEMPTS):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-        if RENDEZVOUS_ABORT not in proc.stderr:
-            return proc
-        print("XLA:CPU aborted a slow first rendezvous; running the command again", file=sys.stderr)
-    pytest.skip(f"XLA:CPU's fixed 10 s first-collective rendezvous was exceeded in all {ATTEMPTS} attempts")
+    """``cmd`` (e.g. ``xshard launch`` on XLA:CPU) as a user runs it, once, from the repository root."""
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
@@ -90,8 +59,7 @@ def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> lis
         for rank in range(world_size):
             path = Path(outdir) / f"rank{rank}.pt"
             if not path.exists():
-                error = RendezvousAbort if RENDEZVOUS_ABORT in proc.stderr else AssertionError
-                raise error(
+                raise AssertionError(
                     f"replica {rank} of {target} left no result (exit code {proc.returncode}):\n"
                     f"{proc.stderr[-4000:]}"
                 )

@@ -474,7 +474,15 @@ class Accelerator:
 
         Works on nested dicts/lists/tuples of tensors; shapes must match across ranks.
         """
-        return metrics.map_tensors(data, self._gather_one)
+        return self._cut_after_collectives(metrics.map_tensors(data, self._gather_one))
+
+    def _cut_after_collectives(self, result: Any) -> Any:
+        """On devices that compile graphs (XLA), run the collectives just traced now, in a graph cut
+        here on every rank (XLA:CPU's replica threads meet before compiling it): a later read of the
+        result is then a copy, not a graph with a collective that one rank runs on its own time."""
+        if self.backend.compiles_graphs and self.world_size > 1:
+            self.backend.mark_step()
+        return result
 
     def _gather_one(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach().to(self.device)
@@ -498,7 +506,7 @@ class Accelerator:
                 self.backend.collectives.all_reduce(out, op=ops[reduction])
             return out * scale if scale != 1.0 else out
 
-        return metrics.map_tensors(data, one)
+        return self._cut_after_collectives(metrics.map_tensors(data, one))
 
     def wait_for_everyone(self) -> None:
         """Barrier: every rank waits until all reach this point."""

@@ -136,7 +136,8 @@ def _rebuild(loader: DataLoader, sampler: Sampler[int], batch_size: int | None =
     if pad_to_multiple_of:
         from .static_shapes import PadToMultiple
 
-        collate_fn = PadToMultiple(collate_fn, pad_to_multiple_of)
+        if not isinstance(collate_fn, PadToMultiple):  # the user's own hook (tensors named) is kept
+            collate_fn = PadToMultiple(collate_fn, pad_to_multiple_of)
     kwargs: dict[str, Any] = {
         "batch_size": loader.batch_size if batch_size is None else batch_size,
         "sampler": sampler,

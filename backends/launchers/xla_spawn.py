@@ -48,6 +48,12 @@ def main(argv: list[str]) -> int:
         if received:
             return 128 + received[0]
         print(f"xshard launch: an xla replica process died ({exc})", file=sys.stderr)
+        if os.environ.get("PJRT_DEVICE", "").strip().upper() == "CPU" and not one:
+            print("xshard launch: XLA:CPU's replicas are threads of that process, and XLA ends it when one waits "
+                  "more than a fixed 10 s in a collective for another (a 'Termination timeout' line above): a "
+                  "replica was held up, compiling a large graph or starved on a busy machine. XLA:CPU is a testing "
+                  "mode: retry on a quieter machine, use --nproc 1, or run the same script on the cpu backend "
+                  "(XSHARD_BACKEND=cpu)", file=sys.stderr)
         return 1
     return 0
 

@@ -20,6 +20,7 @@ from .grad_clip import clip_grad_norm_
 from .groups import ProcessGroups
 from .layout import ShardLayout
 from .materialize import fill_parameters, fill_shards
+from .module_sync import sync_module_states
 from .options import ShardingOptions
 from .params import Rebound
 from .plan import ShardingPlan
@@ -41,17 +42,6 @@ class ShardedParamView:
     names: tuple[str, ...]
     param: nn.Parameter
     layout: ShardLayout
-
-
-def _sync_module_states(module: nn.Module, collectives, device: torch.device) -> None:
-    """Broadcast rank 0's parameters and buffers before sharding, through the compute device
-    (NCCL/HCCL cannot send host tensors), one call per tensor."""
-    with torch.no_grad():
-        for t in list(dict.fromkeys(module.parameters())) + list(module.buffers()):
-            staged = t.detach().to(device)
-            collectives.broadcast(staged, src=0, tag="broadcast of rank 0's initial weights")
-            if staged is not t:
-                t.copy_(staged)
 
 
 class ShardedModel(nn.Module):
@@ -100,7 +90,7 @@ class ShardedModel(nn.Module):
                              "stage 1-3 and fill the shards with xshard.sharding.materialize "
                              "(xshard.pretrained.from_pretrained_sharded does both)")
         if options.sync_module_states and self.collectives.world_size > 1 and recording is None:
-            _sync_module_states(module, self.collectives, device)
+            sync_module_states(module, self.collectives, device, backend.mark_step)
         cast_buffers(module, device, plan.precision.buffer_dtype)
         self.groups = ProcessGroups.make(backend, plan)
         shard = self.groups.shard
@@ -109,6 +99,7 @@ class ShardedModel(nn.Module):
             device=device, shard_device=torch.device("cpu") if plan.offload else device, plan=plan,
             frees_storage_by_resize=backend.frees_storage_by_resize,
             replicas=self.groups.replicas, post_forward=self.groups.post_forward, rebound=rebound,
+            fence=backend.optimization_barrier, compiles_graphs=backend.compiles_graphs,
         )
         specs = split_into_units(module, options)
         if options.activation_checkpointing:

@@ -70,6 +70,8 @@ class ShardedEngine(Engine):
         self.plan = plan
         self.forward_prefetch = bool(options.forward_prefetch) or not plan.reshard_after_forward.frees
         self.backward_prefetch = options.backward_prefetch
+        if self.root.rt.compiles_graphs:  # the compiler orders the fenced gathers (see Runtime.compiles_graphs)
+            self.forward_prefetch, self.backward_prefetch = False, None
         self.max_inflight = int(options.max_inflight_all_gathers)
         self.order: list[Unit] = []  # non-root units in the last forward's order
         self._recording: list[Unit] = []
@@ -136,7 +138,7 @@ class ShardedEngine(Engine):
         elif unit not in self._recording:
             self._recording.append(unit)
         unit.refresh_trainable()
-        unit.wait_gather()
+        unit.wait_gather(after=tensors_in((args, kwargs)))
         self._note_in_flight()
         if self.forward_prefetch:
             self._prefetch(self._after(unit, self.order))
@@ -161,7 +163,7 @@ class ShardedEngine(Engine):
         if self.plan.reshard_after_forward.frees and not (unit.is_root and backward_follows):
             # the root stays gathered only if a backward can follow; with reshard_after_forward=k a
             # unit keeps its post-forward piece for that backward
-            unit.reshard(keep_post_forward=backward_follows)
+            unit.reshard(keep_post_forward=backward_follows, before=tensors_in(output))
         if unit.is_root and not backward_follows:
             self._settle_gathers()  # no backward: gathers prefetched for units that never ran end here
         hook = functools.partial(self._pre_backward, unit)

@@ -3,8 +3,8 @@
 ``model.state_dict()`` (of the prepared model, and of the user's own module inside it, which
 ``unwrap_model`` returns) has the user's names and whole shapes, exactly as before sharding, so
 ``save_pretrained`` and PEFT's ``save_pretrained`` write correct files with no extra argument. It is
-a collective: every rank must call it. Units are gathered one at a time to the CPU (peak memory is
-one unit beyond the result); tied parameters appear under each of their names, as the same tensor;
+a collective: every rank must call it. Units are gathered in fixed-size buckets to the CPU (peak
+memory is one bucket beyond the result); tied parameters appear under each of their names, as the same tensor;
 parameters are gathered in their own dtype (the fp32 master values, not the compute copies). With
 ``state_dict_rank0_only`` only rank 0 gets the tensors (others get an empty dict, as PyTorch FSDP's
 ``rank0_only``): save with ``is_main_process=accelerator.is_main_process`` then.
@@ -27,34 +27,79 @@ from torch import nn
 from .layout import rows_of, unpack_rows
 from .unit import Unit, plan_buffer, segment
 
+#: the most bytes of one rank's rows gathered at once (a bucket of units), unless one unit has more
+GATHER_BUCKET_BYTES = 64 << 20
+_ROW_ALIGN = 16  # elements: each unit's row starts aligned in a bucket (byte buffers view it as wider dtypes)
 
-def _gather_unit(unit: Unit, keep: bool, mark_step: Any) -> dict[int, torch.Tensor]:
-    """id(user Parameter) -> full CPU tensor for every parameter of ``unit`` (empty if not ``keep``).
 
-    ``mark_step`` (the backend's) runs right after the all-gather: on a compiled device each later
-    ``.cpu()`` read would otherwise re-run the pending graph, collective included, on this rank
-    alone, and the other ranks (which ran it once) would never meet it.
+def _gather_buckets(units: list[Unit], device_is_compiled: bool, keep: bool,
+                    mark_step: Any) -> dict[int, torch.Tensor]:
+    """id(user Parameter) -> full CPU tensor for every parameter of ``units`` (empty if not ``keep``).
+
+    Units' rows are packed, per buffer dtype, into buckets of one fixed size, each gathered with one
+    all-gather: peak memory is one bucket (``world_size`` times ``GATHER_BUCKET_BYTES``), not the model.
+    On a compiled device (XLA) the bucket is packed on the host and sent as data, so every bucket of a
+    dtype is the same graph (an all-gather of a fixed-size input): a save compiles one graph per dtype,
+    not one per unit. ``mark_step`` (the backend's) runs right after each all-gather: each later read
+    would otherwise re-run the pending graph, collective included, on this rank alone.
     """
-    if not unit.params:
-        return {}
-    rt = unit.rt
-    dtypes = [sp.dtype for sp in unit.params]
-    buf_dtype, layout = plan_buffer([sp.layout.seg for sp in unit.params], dtypes)
-    send = torch.zeros(layout.row_numel, dtype=buf_dtype, device=rt.device)
+    planned: dict[torch.dtype, list[tuple[Unit, Any]]] = {}
+    for unit in units:
+        if unit.params:
+            dtype, layout = plan_buffer([sp.layout.seg for sp in unit.params], [sp.dtype for sp in unit.params])
+            planned.setdefault(dtype, []).append((unit, layout))
+    full: dict[int, torch.Tensor] = {}
+    for dtype, entries in planned.items():
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        capacity = _aligned(max(GATHER_BUCKET_BYTES // itemsize, max(layout.row_numel for _, layout in entries)))
+        bucket: list[tuple[Unit, Any]] = []
+        filled = 0
+        for unit, layout in entries:
+            if bucket and filled + layout.row_numel > capacity:
+                full.update(_gather_bucket(bucket, dtype, capacity, device_is_compiled, keep, mark_step))
+                bucket, filled = [], 0
+            bucket.append((unit, layout))
+            filled += _aligned(layout.row_numel)
+        full.update(_gather_bucket(bucket, dtype, capacity, device_is_compiled, keep, mark_step))
+    return full
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ROW_ALIGN) * _ROW_ALIGN
+
+
+def _gather_bucket(bucket: list[tuple[Unit, Any]], dtype: torch.dtype, capacity: int, device_is_compiled: bool,
+                   keep: bool, mark_step: Any) -> dict[int, torch.Tensor]:
+    """One all-gather of the rows of the units in ``bucket`` (see ``_gather_buckets``)."""
+    rt = bucket[0][0].rt
+    staging = torch.device("cpu") if device_is_compiled else rt.device
+    send = torch.zeros(capacity, dtype=dtype, device=staging)
+    offsets = []
+    offset = 0
     with torch.no_grad():
-        for i, sp in enumerate(unit.params):
-            segment(send, layout, i, sp.dtype)[: sp.layout.local_numel].copy_(sp.user.detach().reshape(-1))
-    recv = torch.empty(layout.row_numel * rt.world_size, dtype=buf_dtype, device=rt.device)
-    rt.collectives.all_gather_into_tensor(recv, send, tag=f"state-dict gather of unit {unit.name}")
+        for unit, layout in bucket:
+            row = send[offset:offset + layout.row_numel]
+            for i, sp in enumerate(unit.params):
+                # the whole padded shard (what the unit's own gathers send): on XLA one copy of device
+                # data, where a view of it (the user's Parameter) would be a small graph to compile
+                segment(row, layout, i, sp.dtype).copy_(sp.padded)  # 1-D; no view (a view is a graph on XLA)
+            offsets.append(offset)
+            offset += _aligned(layout.row_numel)
+    send = send.to(rt.device)
+    recv = torch.empty(capacity * rt.world_size, dtype=dtype, device=rt.device)
+    names = ", ".join(unit.name for unit, _ in bucket)
+    rt.collectives.all_gather_into_tensor(recv, send, tag=f"state-dict gather of units {names}")
     mark_step()
     if not keep:
         return {}
-    grid = recv.view(rt.world_size, layout.row_numel)
+    grid = recv.cpu().view(rt.world_size, capacity)  # one read of the whole bucket (a view first would compile)
     out = {}
-    for i, sp in enumerate(unit.params):
-        full = torch.empty(sp.layout.shape, dtype=sp.dtype, device="cpu")
-        unpack_rows(segment(grid, layout, i, sp.dtype).cpu(), full.view(-1))
-        out[id(sp.user)] = full
+    for (unit, layout), start in zip(bucket, offsets, strict=True):
+        rows = grid[:, start:start + layout.row_numel]
+        for i, sp in enumerate(unit.params):
+            full = torch.empty(sp.layout.shape, dtype=sp.dtype, device="cpu")
+            unpack_rows(segment(rows, layout, i, sp.dtype), full.view(-1))
+            out[id(sp.user)] = full
     return out
 
 
@@ -159,10 +204,7 @@ class StateDictHooks:
 
 def gather_full_params(model: Any, keep: bool) -> dict[int, torch.Tensor]:
     """id(user Parameter) -> full CPU tensor of every sharded parameter; every rank must call it."""
-    full: dict[int, torch.Tensor] = {}
-    for unit in model.units:  # one unit in flight at a time: peak memory is one unit, not the model
-        full.update(_gather_unit(unit, keep, model.backend.mark_step))
-    return full
+    return _gather_buckets(model.units, model.backend.compiles_graphs, keep, model.backend.mark_step)
 
 
 def full_state_dict(model: Any, rank0_only: bool = True) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ drops the pieces.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +76,12 @@ class Runtime:
     post_forward: object | None = None
     #: Parameters replaced where a device could not take their data in place
     rebound: Rebound = field(default_factory=Rebound)
+    #: the backend's optimization barrier (in place; a no-op on eager devices): fences each unit's
+    #: collectives so that a graph compiler keeps one unit's full parameters alive at a time
+    fence: Callable[[list[torch.Tensor]], None] = lambda tensors: None
+    #: the device compiles whole graphs (XLA): the compiler schedules the collectives, so the core
+    #: issues no gather ahead (a prefetched gather would only keep two units' parameters alive)
+    compiles_graphs: bool = False
 
 
 class Unit:
@@ -144,8 +151,11 @@ class Unit:
         return self.state is UnitState.GATHERED and not self.stale and self.stamp == self.versions()
 
     # ------------------------------------------------------------------ gather
-    def start_gather(self) -> bool:
+    def start_gather(self, after: list[torch.Tensor] | tuple = ()) -> bool:
         """Issue this unit's all-gather (asynchronous) unless it is gathering or current; True if issued.
+
+        ``after``: tensors the gather must follow (the unit's forward inputs): fenced with the shards,
+        so a graph compiler cannot gather this unit before the previous one produced them.
 
         Each parameter is gathered straight into its full copy's storage: this rank's shard is written
         (cast to the compute dtype) into its own slice, which is the all-gather's input, so there is no
@@ -157,6 +167,7 @@ class Unit:
         rt = self.rt
         from_pieces = self._post_forward_current()
         collectives = rt.post_forward if from_pieces else rt.collectives
+        rt.fence([sp.post_forward if from_pieces else sp.padded for sp in self.params] + list(after))
         targets, inputs = [], []
         with torch.no_grad():
             for sp in self.params:
@@ -189,20 +200,21 @@ class Unit:
         handle, targets = self._pending
         self._pending = None
         handle.wait()
+        self.rt.fence(targets)
         if not self.rt.frees_storage_by_resize:
             for sp, target in zip(self.params, targets, strict=True):
                 sp.full.data = target[: sp.layout.numel].view(sp.layout.shape)
         self.state = UnitState.GATHERED
 
-    def wait_gather(self) -> None:
+    def wait_gather(self, after: list[torch.Tensor] | tuple = ()) -> None:
         """Make the full parameters usable and current: finish an in-flight gather, and gather (again)
-        when the shards changed since (or nothing was gathered)."""
+        when the shards changed since (or nothing was gathered); ``after`` as in ``start_gather``."""
         self.finish_gather()
         if self.params and not self.is_current():
-            self.start_gather()
+            self.start_gather(after)
             self.finish_gather()
 
-    def reshard(self, keep_post_forward: bool = False) -> None:
+    def reshard(self, keep_post_forward: bool = False, before: list[torch.Tensor] | tuple = ()) -> None:
         """Free the full copies (a gather in flight is finished first: its collective must complete).
 
         ``keep_post_forward`` (after a forward that a backward follows, with ``reshard_after_forward=k``):
@@ -220,6 +232,9 @@ class Unit:
             self._drop_post_forward()
         for sp in self.params:
             self._free(sp)
+        # ``before`` (the unit's forward outputs): what follows them cannot share the graph's time with
+        # this unit's full parameters (torch_xla's FSDP fences the outputs and shards the same way)
+        self.rt.fence([sp.padded for sp in self.params] + list(before))
         self.state = UnitState.SHARDED
 
     def _keep_post_forward(self) -> None:
@@ -306,6 +321,7 @@ class Unit:
                 # one flag per parameter, repeated for every rank's slice: each rank receives the
                 # average over ranks of "had a gradient" (> 0: some rank used it)
                 inputs.append(used_flags(used, world, dtype, rt.device))
+                rt.fence(inputs)
                 handle = rt.collectives.reduce_scatter_tensors(
                     outputs, inputs, op="avg", async_op=True, tag=f"reduce-scatter of unit {self.name}")
                 groups.append(_PendingGroup(sps, handle, outputs, inputs, all(used), flat))
@@ -388,6 +404,7 @@ class PendingReduce:
         self.launch_inter()
         for group in self.groups:
             group.handle.wait()
+            self.unit.rt.fence([group.flat])
             n = len(group.params)
             used = [True] * n if group.all_used_here else (group.outs[n] > 0).tolist()
             self.unit.accumulate_grads(group.params, group.outs[:n], used)
