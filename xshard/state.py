@@ -457,8 +457,9 @@ def share_with_accelerate(accelerator: Any) -> bool:
     ours = accelerator.state.distributed_type
     distributed_type = getattr(accelerate_types, ours.value, None) or (
         accelerate_types.NO if accelerator.world_size == 1 else accelerate_types.MULTI_CPU)
+    # ``_cpu`` (Accelerate's ``cpu=True``) is read only to pick a device when none is set; ``device`` is.
     facts = {
-        "_cpu": accelerator.device.type == "cpu", "_mixed_precision": accelerator.mixed_precision,
+        "_cpu": False, "_mixed_precision": accelerator.mixed_precision,
         "backend": accelerator.backend.dist_backend, "debug": False, "device": accelerator.device,
         "distributed_type": distributed_type, "fork_launched": False,
         "local_process_index": accelerator.local_rank, "num_processes": accelerator.world_size,
