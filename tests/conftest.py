@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +26,17 @@ def clean_env(monkeypatch):
             monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 and its tokenizer, saved as a from_pretrained folder by the Qwen example's own
+    tool (examples/qwen_finetune/tiny.py), built once for every test that trains it."""
+    example = ROOT / "examples" / "qwen_finetune"
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    subprocess.run([sys.executable, str(example / "tiny.py"), "--output_dir", str(out),
+                    "--data_path", str(example / "data" / "alpaca_synthetic.json")],
+                   check=True, capture_output=True, timeout=120)
+    return out
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -26,15 +26,6 @@ SCRIPT = Path(__file__).resolve().parent / "trainer_sft_script.py"
 DATA = ROOT / "examples" / "qwen_finetune" / "data" / "alpaca_synthetic.json"
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    """A tiny random Qwen2 and its tokenizer, saved as a from_pretrained folder (the example's tool)."""
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    subprocess.run([sys.executable, str(ROOT / "examples" / "qwen_finetune" / "tiny.py"), "--output_dir", str(out),
-                    "--data_path", str(DATA)], check=True, capture_output=True, timeout=120)
-    return out
-
-
 def _args(model: Path, out: Path, *extra: str) -> list[str]:
     return ["--model_name_or_path", str(model), "--data_path", str(DATA), "--max_records", "57",
             "--eval_records", "9", "--model_max_length", "96", "--output_dir", str(out),

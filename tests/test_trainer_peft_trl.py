@@ -27,15 +27,6 @@ DATA = ROOT / "examples" / "qwen_finetune" / "data" / "alpaca_synthetic.json"
 LAUNCH_2 = [sys.executable, "-m", "xshard", "launch", "--nproc", "2"]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    """A tiny random Qwen2 and its tokenizer, saved as a from_pretrained folder (the example's tool)."""
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    subprocess.run([sys.executable, str(ROOT / "examples" / "qwen_finetune" / "tiny.py"), "--output_dir", str(out),
-                    "--data_path", str(DATA)], check=True, capture_output=True, timeout=120)
-    return out
-
-
 def _run(command: list[str], script: str, args: list[str], trainer: str = "xshard") -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
     env.update(SFT_TRAINER=trainer, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
