@@ -125,3 +125,32 @@ def test_an_optimizer_built_before_prepare_trains_the_device_parameters_or_is_re
     assert "CHANGED" in _run([sys.executable, "-c", _rebind_run(True)], XLA_ENV)
     refused = _run([sys.executable, "-c", _rebind_run(False)], XLA_ENV)
     assert "REFUSED" in refused and "accelerator.prepare(model, optimizer)" in refused
+
+
+def _trainer_losses(model: Path, out: Path, backend_args: list[str], env: dict[str, str]) -> list[float]:
+    """tests/trainer_sft_script.py (an ordinary Trainer SFT script on xshard's Trainer) under `xshard launch`,
+    one process; the per-step losses its trainer_state.json records."""
+    _run([sys.executable, "-m", "xshard", "launch", "tests/trainer_sft_script.py", "--model_name_or_path", str(model),
+          "--data_path", "examples/qwen_finetune/data/alpaca_synthetic.json", "--max_records", "32",
+          "--model_max_length", "96", "--output_dir", str(out), "--max_steps", "6",
+          "--per_device_train_batch_size", "2", "--logging_steps", "1", "--save_steps", "6", "--report_to", "none",
+          # the Trainer's default on torch >= 2.8 is the fused AdamW, which has no XLA kernel (stock or xshard)
+          "--optim", "adamw_torch", *backend_args], env)
+    history = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())["log_history"]
+    return [entry["loss"] for entry in history if "loss" in entry]
+
+
+def test_the_trainer_with_an_xla_fsdp_config_trains_as_on_the_cpu(tmp_path: Path, tiny_model: Path) -> None:
+    """The Trainer docs' TPU arguments, `--fsdp full_shard --fsdp_config '{"xla": true, "xla_fsdp_grad_ckpt":
+    true}'`, on one XLA:CPU device: the stock Trainer would refuse `--fsdp` outside its own XLA FSDP; xshard's
+    runs it at stage 3 with activation checkpointing and logs the CPU backend's losses for the same command."""
+    pytest.importorskip("torch_xla")
+    fsdp_config = tmp_path / "xla_fsdp.json"
+    fsdp_config.write_text(json.dumps({"xla": True, "xla_fsdp_grad_ckpt": True}))
+    on_xla = _trainer_losses(tiny_model, tmp_path / "xla", ["--fsdp", "full_shard", "--fsdp_config", str(fsdp_config)],
+                             XLA_ENV)
+    on_cpu = _trainer_losses(tiny_model, tmp_path / "cpu", [], {"XSHARD_BACKEND": "cpu"})
+    assert len(on_xla) == len(on_cpu) == 6
+    for a, b in zip(on_xla, on_cpu, strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b), (on_xla, on_cpu)
+    assert (tmp_path / "xla" / "model.safetensors").is_file()  # save_model at the end of the script

@@ -53,14 +53,41 @@ def _always_false(name: str) -> property:
     return property(get, set_, doc=f"``{name}``: always False on xshard (xshard's Accelerator shards the model).")
 
 
+def _xla_fsdp_flag() -> property:
+    """``is_fsdp_xla_enabled``: False, except while the Trainer's ``__init__`` runs, where it is what the
+    Trainer assigned (an XLA ``fsdp_config``).
+
+    Design note: ``Trainer.__init__`` refuses ``--fsdp`` unless every device has a DDP-style process
+    (``ParallelMode.DISTRIBUTED``) or its own XLA FSDP wraps the model; torch_xla's processes are
+    ``ParallelMode.TPU``, so a TPU user's ``--fsdp ... --fsdp_config '{"xla": true}'`` would be refused.
+    xshard shards in every mode, so that check is answered as the stock Trainer answers it for an XLA FSDP
+    run; after ``__init__`` the flag reads False and no torch_xla-FSDP branch runs.
+    """
+
+    def get(self: Any) -> bool:
+        return bool(self.__dict__.get("_xshard_in_init") and self.__dict__.get("_xshard_fsdp_xla"))
+
+    def set_(self: Any, value: Any) -> None:
+        self.__dict__["_xshard_fsdp_xla"] = bool(value)
+
+    return property(get, set_, doc=get.__doc__)
+
+
 class TrainerMixin:
     """Runs a ``transformers.Trainer`` (or a subclass) on xshard: put it first in the bases."""
 
     is_deepspeed_enabled = _always_false("is_deepspeed_enabled")
     is_fsdp_enabled = _always_false("is_fsdp_enabled")
-    is_fsdp_xla_enabled = _always_false("is_fsdp_xla_enabled")
+    is_fsdp_xla_enabled = _xla_fsdp_flag()
     is_fsdp_xla_v1_enabled = _always_false("is_fsdp_xla_v1_enabled")
     is_fsdp_xla_v2_enabled = _always_false("is_fsdp_xla_v2_enabled")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__["_xshard_in_init"] = True  # see _xla_fsdp_flag
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            self.__dict__["_xshard_in_init"] = False
 
     # ------------------------------------------------------------------ the Accelerator
     def create_accelerator_and_postprocess(self) -> None:
