@@ -15,6 +15,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/distributed.py
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Every test leaves ``os.environ`` as it found it. Code under test may export variables (a backend's
+    process group puts its world into torchrun's RANK/WORLD_SIZE/MASTER_* for c10d's rendezvous), and a
+    later in-process Accelerator would otherwise join that world and wait for its peers."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
     """Remove every variable that selects a backend or a device, so a test starts from nothing."""
