@@ -194,6 +194,35 @@ def test_sharded_checkpoint_reshards_4_2_1_and_2_4_and_consolidates(tmp_path):
         torch.testing.assert_close(merged_d[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
 
 
+def _late_checker_worker(rank, world_size, root):
+    import time
+    from pathlib import Path
+
+    from xshard.checkpoint import state as checkpoint_state
+
+    acc, model, opt, loader, sched = _job(world_size, stage=3, state_dict_type="sharded")
+    _steps(acc, model, opt, loader, sched, 1)
+    check = checkpoint_state.check_destination
+    seen = []
+
+    def late_check(final):
+        if rank == 1:
+            time.sleep(1.0)  # a rank that reaches the save late (a slow filesystem, a busy host)
+        seen.extend(sorted(p.name for p in Path(root).iterdir()))
+        check(final)
+
+    checkpoint_state.check_destination = late_check
+    acc.save_state(Path(root) / "checkpoint-1")
+    return seen
+
+
+def test_no_rank_changes_the_folder_before_every_rank_checked_it(tmp_path):
+    """Rank 0 creates the save's work folder only after every rank decided the destination is safe: a
+    rank that checked while rank 0 was creating it saw it half made and refused the save alone."""
+    assert run_workers(_late_checker_worker, 2, str(tmp_path)) == [[], []]
+    assert (tmp_path / "checkpoint-1" / "xshard_state.json").is_file()
+
+
 def _consolidated(checkpoint, out):
     from xshard.checkpoint.consolidate import consolidate
 

@@ -175,7 +175,7 @@ def save_state(job: JobState, directory: str | os.PathLike, state_dict_type: str
             "at the end of a window (when accelerator.sync_gradients is True) to resume exactly.",
             stacklevel=3,
         )
-    check_destination(final)  # every rank sees the same folder, unchanged until the first agreement
+    _check_destination_everywhere(job, final)
     tmp = final.with_name(final.name + TMP_SUFFIX)
     writer = FileWriter(tmp, job.rank)
     error: BaseException | None = None
@@ -221,6 +221,26 @@ def save_state(job: JobState, directory: str | os.PathLike, state_dict_type: str
         _commit_and_rotate(tmp, final, kind, save_total_limit)
     job.barrier()
     return final
+
+
+def _check_destination_everywhere(job: JobState, final: Path) -> None:
+    """Every rank checks the destination (``check_destination``), then all learn whether any refused it.
+
+    The agreement comes before rank 0 creates the save's ``.tmp`` folder: a rank still checking while
+    rank 0 creates it could otherwise see it half made (a folder, then its marker) and refuse alone.
+    """
+    refusal: CheckpointSaveError | None = None
+    try:
+        check_destination(final)
+    except CheckpointSaveError as exc:
+        refusal = exc
+    (refused,) = _ranks_where(job, refusal is not None)
+    if refusal is not None:
+        raise refusal
+    if refused:
+        raise CheckpointSaveError(f"cannot save a checkpoint to {final}: {refused} other rank(s) refused the folder "
+                                  "(their error is in their log; every rank must see the same folder); nothing was "
+                                  "written")
 
 
 def _check_rotation(final: Path, save_total_limit: int) -> None:
@@ -393,11 +413,7 @@ def _read_everything(job: JobState, root: Path, on_bytes: Any = None) -> dict[st
 
 def _ranks_where(job: JobState, *flags: bool) -> list[int]:
     """For each flag, how many ranks have it set (every rank gets the same answer)."""
-    if job.world_size == 1:
-        return [int(f) for f in flags]
-    count = torch.tensor([1.0 if f else 0.0 for f in flags], device=job.backend.device())
-    job.backend.collectives.all_reduce(count, op="sum")
-    return [int(c) for c in count.tolist()]
+    return _sum_over_ranks(job, [1 if f else 0 for f in flags])
 
 
 def _sum_over_ranks(job: JobState, values: list[int]) -> list[int]:
