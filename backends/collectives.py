@@ -134,6 +134,27 @@ def average_factors(dtype: torch.dtype, world_size: int) -> tuple[str, float, fl
     return "avg", 1.0, 1.0
 
 
+class InFlight:
+    """How many async handles this process handed out and has not waited to completion (every
+    ``Collectives`` object counts here). 0: no collective of this process is in flight, so its process
+    group can be left without waiting for a peer (``CommunicationAPI.leave_at_exit``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._count += n
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+
+IN_FLIGHT = InFlight()
+
+
 class Handle:
     """An asynchronous collective in flight. ``wait()`` blocks until it is done and returns its output.
 
@@ -141,7 +162,7 @@ class Handle:
     average, or the copy of this rank's slice out of an all-reduce).
     """
 
-    __slots__ = ("_works", "_finish", "_output", "_done", "_monitor", "_label")
+    __slots__ = ("_works", "_finish", "_output", "_done", "_monitor", "_label", "_counted")
 
     def __init__(self, works: list, output: torch.Tensor | None, finish: Callable[[], None] | None = None):
         self._works = works
@@ -150,6 +171,8 @@ class Handle:
         self._done = False
         self._monitor: CollectiveMonitor | None = None
         self._label: tuple[int, str] = (0, "")
+        #: counted in ``IN_FLIGHT`` until waited (async handles handed to a caller)
+        self._counted = False
 
     def watch(self, monitor: CollectiveMonitor | None, number: int, description: str) -> Handle:
         """Report waits on this handle to ``monitor`` as collective ``number`` (see ``backends.monitor``)."""
@@ -178,6 +201,8 @@ class Handle:
             if self._finish is not None:
                 self._finish()
             self._done = True
+            if self._counted:
+                IN_FLIGHT.add(-1)
         return self._output
 
     @property
@@ -363,6 +388,8 @@ class Collectives:
         books = self._books
         handle.watch(books.monitor, books.issued, books._label)
         if async_op:
+            IN_FLIGHT.add(1)
+            handle._counted = True
             return handle
         handle.wait()
         return None
