@@ -254,14 +254,16 @@ def launch(opts: LaunchOptions) -> int:
     with tempfile.TemporaryDirectory(prefix="xshard-launch-") as markers:
         plan.env[MARKER_ENV] = markers
         code = run_plan(plan)
-        if code == 0 and not accelerator_was_built(markers):
-            print(not_on_xshard_message(plan.env, os.environ), file=sys.stderr)
+        if not accelerator_was_built(markers):
+            print(not_on_xshard_message(plan.env, os.environ, failed=code != 0), file=sys.stderr)
     return code
 
 
-def not_on_xshard_message(child_env: Mapping[str, str], env: Mapping[str, str]) -> str:
+def not_on_xshard_message(child_env: Mapping[str, str], env: Mapping[str, str], failed: bool = False) -> str:
     """The one line for a job whose processes never built an xshard Accelerator: what ran instead, the fix,
-    and the settings that therefore had no effect."""
+    and the settings that therefore had no effect. ``failed``: the job failed, and the line says that
+    the failure came before xshard had any part in it (a stock script's own crash, or an error before
+    the script built its Accelerator)."""
     from xshard.config.schema import ENV_PREFIX, FIELD_NAMES
 
     unused = []
@@ -273,9 +275,15 @@ def not_on_xshard_message(child_env: Mapping[str, str], env: Mapping[str, str]) 
     # Accelerator's to read
     names = [ENV_PREFIX + name.upper() for name in FIELD_NAMES if name != "backend"] + [CONFIG_ENV]
     unused += [f"{name}={env[name]}" for name in names if name in env and name not in child_env]
-    message = ("xshard launch: no process of this job built an xshard Accelerator, so the script ran without "
-               "xshard (stock Accelerate or the stock Trainer); change its import to `from xshard import "
-               "Accelerator` or `from xshard.trainer import Trainer, TrainingArguments`")
+    fix = ("change its import to `from xshard import Accelerator` or `from xshard.trainer import Trainer, "
+           "TrainingArguments`")
+    if failed:
+        message = ("xshard launch: no process of this job built an xshard Accelerator before it failed, so xshard "
+                   "had no part in the failure; if the script uses stock Accelerate or the stock Trainer, it ran "
+                   f"without xshard: {fix}")
+    else:
+        message = ("xshard launch: no process of this job built an xshard Accelerator, so the script ran without "
+                   f"xshard (stock Accelerate or the stock Trainer); {fix}")
     if unused:
         message += f"; these settings had no effect: {', '.join(unused)}"
     return message
