@@ -91,13 +91,24 @@ def run_workers(
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
-        results = []
+        results, failures = [], []
         for rank in range(world_size):
             path = Path(outdir) / f"rank{rank}.pt"
             if not path.exists():
-                raise RuntimeError(f"rank {rank} of {fn.__name__} died without a result")
+                code = ctx.processes[rank].exitcode
+                failures.append((0, f"rank {rank} of {fn.__name__} died without a result (exit code {code})"))
+                continue
             payload = torch.load(path, weights_only=False)
             if not payload["ok"]:
-                raise RuntimeError(f"rank {rank} of {fn.__name__} failed:\n{payload['error']}")
+                # a rank that only saw another's failure (a peer gone mid-collective) comes after the cause
+                consequence = any(name in payload["error"] for name in _CONSEQUENCES)
+                failures.append((int(consequence), f"rank {rank} of {fn.__name__} failed:\n{payload['error']}"))
+                continue
             results.append(payload["result"])
+        if failures:
+            raise RuntimeError("\n\n".join(message for _, message in sorted(failures, key=lambda f: f[0])))
         return results
+
+
+#: errors a rank raises because another rank failed first
+_CONSEQUENCES = ("RankDiedError", "CollectiveTimeoutError", "Connection closed by peer", "Connection reset by peer")

@@ -221,7 +221,6 @@ def _naming_worker(rank, world_size, root):
     return result
 
 
-@pytest.mark.xfail(strict=False, reason="in the clean-clone make test of this tree (1 run) rank 1 died during its first save_state (rank 0: Connection closed by peer); passed 4 of 4 runs alone; cause not yet found")
 def test_automatic_checkpoint_naming_with_a_total_limit(tmp_path):
     for saved, kept, loaded, n, iteration in run_workers(_naming_worker, 2, tmp_path):
         assert saved == ["checkpoint_0", "checkpoint_1", "checkpoint_2"]
