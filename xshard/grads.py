@@ -10,10 +10,14 @@ unit's full local gradients (its ``no_sync`` mode) rather than the Parameters' `
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
+
+# the one norm clipping, shared with the sharded model (public here as ``grads.clip_norm_``)
+from .sharding.grad_clip import clip_norm_
+
+__all__ = ["clip_norm_", "clip_value_", "held_gradients"]
 
 
 def held_gradients(models: list, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -31,23 +35,6 @@ def held_gradients(models: list, params: Iterable[torch.Tensor]) -> list[torch.T
         grads += model.local_gradients(mine)
     grads += [p.grad for p in params if id(p) not in covered and p.grad is not None]
     return grads
-
-
-def clip_norm_(grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` on gradient tensors; returns their total norm."""
-    norm_type = float(norm_type)
-    if not grads:
-        return torch.tensor(0.0)
-    if math.isinf(norm_type):
-        total = torch.stack([g.detach().abs().max().float() for g in grads]).max()
-    else:
-        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type)
-                                                      for g in grads]), norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    with torch.no_grad():
-        for g in grads:
-            g.mul_(coef.to(g.device, g.dtype))
-    return total
 
 
 def clip_value_(grads: list[torch.Tensor], clip_value: float) -> None:
