@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from .log import get_logger
+from .sharding.trees import map_leaves
 
 log = get_logger("xshard.data")
 
@@ -107,24 +108,17 @@ class ShardSampler(Sampler[int]):
 
 def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Move every tensor in ``batch`` (nested dicts, lists, tuples, named tuples) to ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, Mapping):
-        moved = {k: move_to_device(v, device, non_blocking) for k, v in batch.items()}
-        try:
-            return type(batch)(moved)  # keeps dict subclasses such as HF BatchEncoding
-        except TypeError:
-            return moved
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
-        return type(batch)(*(move_to_device(v, device, non_blocking) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(move_to_device(v, device, non_blocking) for v in batch)
-    if hasattr(batch, "to") and callable(batch.to) and not isinstance(batch, type):
-        try:
-            return batch.to(device)  # objects with their own .to(), e.g. BatchEncoding
-        except TypeError:
-            return batch
-    return batch
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.to(device, non_blocking=non_blocking)
+        if hasattr(x, "to") and callable(x.to) and not isinstance(x, type):
+            try:
+                return x.to(device)  # objects with their own .to()
+            except TypeError:
+                return x
+        return x
+
+    return map_leaves(batch, move)
 
 
 def _rebuild(loader: DataLoader, sampler: Sampler[int], batch_size: int | None = None,

@@ -30,20 +30,19 @@ from typing import Any
 
 import torch
 
+from .sharding.trees import map_leaves
+
 
 def map_tensors(data: Any, fn: Callable[[torch.Tensor], Any], strict: bool = True) -> Any:
     """Apply ``fn`` to every tensor in nested dicts/lists/tuples (other leaves: an error, or kept)."""
-    if isinstance(data, torch.Tensor):
-        return fn(data)
-    if isinstance(data, Mapping):
-        return type(data)({k: map_tensors(v, fn, strict) for k, v in data.items()})
-    if isinstance(data, tuple) and hasattr(data, "_fields"):
-        return type(data)(*(map_tensors(v, fn, strict) for v in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(map_tensors(v, fn, strict) for v in data)
-    if strict:
-        raise TypeError(f"expected tensors (or dicts/lists/tuples of them), got {type(data).__name__}")
-    return data
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return fn(x)
+        if strict:
+            raise TypeError(f"expected tensors (or dicts/lists/tuples of them), got {type(x).__name__}")
+        return x
+
+    return map_leaves(data, leaf)
 
 
 def only_tensors(data: Any) -> bool:
