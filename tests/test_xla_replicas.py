@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("torch_xla")
 
 import torch  # noqa: E402
+from collective_checks import assert_collective_results  # noqa: E402
 from xla_replicas import run_replicas  # noqa: E402
 
 pytestmark = pytest.mark.xla
@@ -58,25 +59,9 @@ def _collectives(rank: int, world_size: int, numel: int, steps: int) -> dict:
 def test_collectives_values_bytes_and_one_compile_per_graph(world_size: int, numel: int) -> None:
     steps = 3
     results = run_replicas(_collectives, world_size, numel, steps)
-    n = numel
-    expected_gather = torch.cat([torch.arange(n, dtype=torch.float32) + 1000 * r for r in range(world_size)])
-    total = sum(r + 1 for r in range(world_size))
-    full_sum = torch.arange(n * world_size, dtype=torch.float32) * total
     for rank, res in enumerate(results):
         assert res["world"] == (rank, world_size)
-        assert torch.equal(res["all_gather"], expected_gather)
-        assert torch.allclose(res["reduce_scatter_sum"], full_sum[rank * n:(rank + 1) * n])
-        assert torch.allclose(res["reduce_scatter_avg"], full_sum[rank * n:(rank + 1) * n] / world_size)
-        assert torch.allclose(res["all_reduce_avg"], torch.full((n,), total / world_size))
-        assert res["all_reduce_max"].item() == world_size - 1
-        assert torch.equal(res["broadcast"], torch.full((n,), float(world_size - 1)))
-        # the same bytes as every other backend (ZeRO-paper accounting), per step
-        assert res["counter"]["bytes"] == {
-            "all_gather": steps * 4 * n * world_size,
-            "reduce_scatter": steps * 2 * 4 * n * world_size,
-            "all_reduce": steps * (2 * 4 * n + 2 * 4),
-            "broadcast": steps * 4 * n,
-        }
+        assert_collective_results(res, rank, world_size, numel, steps)  # the same as every other backend
         # channel numbering restarts with each graph: steps after the first compile nothing new
         assert res["compiles"][1] == res["compiles"][-1]
 
