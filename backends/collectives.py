@@ -7,8 +7,10 @@ Three implementations share one interface:
 - ``SingleProcessCollectives``: world size 1; every call is a local copy or nothing.
 - torch_xla's, in ``backends/xla.py``.
 
-Reduce ops are a capability: where the process group has no native AVG (gloo, hccl, xla) the
-average is a SUM followed by a divide, done when the handle is waited on.
+Reduce ops are a capability (a backend's ``native_avg``): NCCL and HCCL implement ReduceOp.AVG
+(torch_npu's ProcessGroupHCCL sums, then divides on its stream; see ``backends/npu.py``); where the
+process group has none (gloo, MPS, torch_xla) the average is a SUM followed by a divide, done when
+the handle is waited on.
 
 Byte accounting follows the ZeRO paper's convention so that counts compare with theory
 (ZeRO-3 = 3 psi per step, ZeRO-2 and DDP = 2 psi): an all-gather or a reduce-scatter counts the size
@@ -80,10 +82,6 @@ class CommCounter:
         """A plain copy: ``{"bytes": {kind: n}, "calls": {kind: n}}``."""
         with self._lock:
             return {"bytes": dict(self.bytes), "calls": dict(self.calls)}
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -231,11 +231,6 @@ def get_logger(name: str, log_level: str | int | None = None) -> MultiProcessAda
     return MultiProcessAdapter(logger, {})
 
 
-def is_log_main_process() -> bool:
-    """Does this process print main-process output (logs at the main level, progress bars)?"""
-    return _current.is_log_main
-
-
 def progress(iterable: Iterable[Any] | None = None, *, main_only: bool = True, **kwargs: Any) -> Any:
     """A tqdm progress bar drawn by the main process only, and only on a terminal.
 

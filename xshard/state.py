@@ -17,10 +17,8 @@ Accelerate's ``PartialState`` which process it is in.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import warnings
-from collections.abc import Iterator
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -404,11 +402,6 @@ class GradientState:
             return -1
         total = (loader.batch_size or 1) * self._job.world_size
         return loader.sampler.length % total
-
-
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 _warned: set[str] = set()

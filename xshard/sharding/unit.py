@@ -259,11 +259,6 @@ class Unit:
         """Are post-forward pieces held, cut from the shards' current values?"""
         return self._post_stamp is not None and not self.stale and self._post_stamp == self.versions()
 
-    def held_post_forward_bytes(self) -> int:
-        """Bytes of the post-forward pieces held right now."""
-        return sum(sp.post_forward.numel() * sp.post_forward.element_size()
-                   for sp in self.params if sp.post_forward is not None)
-
     def _free(self, sp: ShardedParam) -> None:
         if self.rt.frees_storage_by_resize:
             sp.full.untyped_storage().resize_(0)
