@@ -19,12 +19,12 @@ Design notes:
   otherwise leak into the next epoch). ``backward`` divides the loss by the number of steps.
 - The scheduler steps once per real optimizer step (not once per process, and not when an fp16
   step was skipped for inf/nan gradients).
-- ``autocast()`` enters the backend's autocast in the config's mixed-precision dtype. At stages
-  1-3 the sharded core already computes in that dtype (``param_dtype``); autocast adds what it
-  cannot: fp32 inputs and tensors created inside the forward are cast to match, and numerically
-  sensitive ops (softmax, norms, losses) run in fp32. At stage 0 the replicated parameters keep
-  their dtype and autocast is what gives mixed precision. With ``mixed_precision="no"`` it does
-  nothing. So the loop should always use it; it costs nothing when precision is fp32.
+- Mixed precision needs nothing in the loop: ``prepare`` runs the model's forward under the
+  backend's autocast in the config's mixed-precision dtype (fp32 inputs and tensors created inside
+  the forward are cast to match; numerically sensitive ops such as softmax, norms and losses run in
+  fp32) and returns floating outputs in fp32, as Accelerate does. ``autocast()`` enters the same
+  autocast for work outside the model's forward (a loss computed from the outputs, a second
+  model); with ``mixed_precision="no"`` it does nothing, so the loop above costs nothing in fp32.
 - ``config.gradient_clipping`` > 0 clips inside ``optimizer.step()`` when the loop did not call
   ``clip_grad_norm_`` itself in that step.
 - ``gather``/``reduce`` use the backend's collectives, whose byte counter the core's ``stats()``

@@ -33,7 +33,8 @@ what tools read, so it stays one plain state dict; the optimizer rows cost nothi
 
 Design note, why not torch.distributed.checkpoint (DCP): DCP's save/load plans are coordinated
 through collectives (gather of every rank's plan to rank 0, then scatter), which is what times out
-at thousands of ranks over Gloo (anchors pain point 5), and its files need DCP to read. Dim-0 row
+at thousands of ranks over Gloo (2816 NPUs in huggingface/accelerate#4105, which replaced it with
+per-rank files for that reason), and its files need DCP to read. Dim-0 row
 pieces are all this core's sharding ever produces, so a row table in the manifest describes them
 completely: saving is per-rank and communication-free, loading reshards by slicing, every file is a
 plain safetensors file, and ``xshard consolidate`` needs no process group.

@@ -1,6 +1,6 @@
 """The engine interface: what drives a model's parameters and gradients through forward and backward.
 
-Two implementations, chosen by the plan (``make_engine``):
+Two implementations; ``ShardedModel`` picks one from its plan (``plan.shard_parameters``):
 - ``ReplicatedEngine`` (``replicate.py``): parameters stay whole on every rank; gradients are
   averaged by bucketed all-reduce as backward produces them (stage 0, like DDP);
 - ``ShardedEngine`` (``shard_engine.py``): parameters are dim-0 shards gathered unit by unit for
