@@ -11,7 +11,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 
 class _SourceTreeBackends(importlib.abc.MetaPathFinder):

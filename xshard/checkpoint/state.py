@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._version import __version__
 from ..log import get_logger
 from . import async_save as background
 from . import foreign, formats
@@ -256,8 +257,6 @@ def _check_rotation(final: Path, save_total_limit: int) -> None:
 
 def _manifest_head(job: JobState, kind: str) -> dict[str, Any]:
     """The manifest's description of the job at the moment of the save (every key but the files)."""
-    from .. import __version__
-
     return {
         "format_version": FORMAT_VERSION,
         "xshard_version": __version__,

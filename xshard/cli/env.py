@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-import xshard
+from xshard._version import __version__
 from xshard.backends import AUTO_ORDER, ENV_VAR, Backend, Selection, backend_class, cluster
 from xshard.backends.errors import XShardError
 
@@ -58,7 +58,7 @@ def gather(selection: Selection, backend: Backend) -> dict[str, Any]:
         "world": {"rank": world.rank, "world_size": world.world_size, "local_rank": world.local_rank},
         "cluster": cluster_report(),
         "versions": {
-            "xshard": xshard.__version__,
+            "xshard": __version__,
             "python": platform.python_version(),
             "torch": torch.__version__,
             **({facts["vendor_module"] or selection.name: facts["vendor_version"]} if facts["vendor_version"] else {}),
