@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
+from .config.project_configuration import ProjectConfiguration
 from .data import move_to_device
 from .log import progress as tqdm
-from .project import ProjectConfiguration
 from .state import DistributedType
 
 __all__ = [

@@ -148,7 +148,7 @@ def _dataloader_config(config: Any, out: AccelerateSettings) -> None:
 
 
 def _project(config: Any, project_dir: Any, ignored: list[str]) -> Any:
-    from ..project import ProjectConfiguration
+    from .project_configuration import ProjectConfiguration
 
     project = config if config is not None else ProjectConfiguration(project_dir=None)
     if project_dir is not None and getattr(project, "project_dir", None) is None:
