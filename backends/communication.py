@@ -13,21 +13,17 @@ import datetime
 import logging
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch.distributed as dist
 
 from .collectives import IN_FLIGHT, Collectives, DistCollectives, SingleProcessCollectives
 from .errors import WorldEnvironmentError, WorldSizeError
-
-if TYPE_CHECKING:
-    from .base import World
+from .world import DEFAULT_MASTER_ADDR as DEFAULT_MASTER_ADDR  # re-exported: defined with World now
+from .world import DEFAULT_MASTER_PORT as DEFAULT_MASTER_PORT
+from .world import World
 
 log = logging.getLogger("xshard.backends")
-
-DEFAULT_MASTER_ADDR = "127.0.0.1"
-DEFAULT_MASTER_PORT = "29500"
-
 
 class CommunicationAPI:
     """Process group, collectives and the world-size rules. Mixed into ``Backend``."""
