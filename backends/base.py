@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -104,7 +105,7 @@ class Backend(DeviceAPI, CommunicationAPI):
         return {}
 
     @classmethod
-    def apply_default_env(cls, env: dict[str, str] | None = None) -> dict[str, str]:
+    def apply_default_env(cls, env: MutableMapping[str, str] | None = None) -> dict[str, str]:
         """Put ``default_env()`` into ``env`` (default: os.environ), never overriding the user's
         values; returns and logs what it set."""
         env = os.environ if env is None else env

@@ -13,7 +13,7 @@ import datetime
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch.distributed as dist
 
@@ -44,6 +44,10 @@ class CommunicationAPI:
     _subgroups: dict[tuple[tuple[tuple[int, ...], ...], str], Collectives]
     #: the process group's timeout, once started (the collectives' hang diagnosis reads it)
     _timeout: datetime.timedelta | None = None
+
+    if TYPE_CHECKING:
+        def set_device(self) -> None:
+            """The device role's (``DeviceAPI.set_device``)."""
 
     # ------------------------------------------------------------------ the world
     def check_world(self) -> None:

@@ -50,12 +50,12 @@ class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward tells the engine the unit's gradients are done."""
 
     @staticmethod
-    def forward(ctx, callback, *tensors):  # type: ignore[override]
+    def forward(ctx, callback, *tensors):
         ctx.callback = callback
         return tensors
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx, *grads):
         ctx.callback()
         return (None, *grads)
 
@@ -69,7 +69,7 @@ class ShardedEngine(Engine):
         self.root = units[0]
         self.plan = plan
         self.forward_prefetch = bool(options.forward_prefetch) or not plan.reshard_after_forward.frees
-        self.backward_prefetch = options.backward_prefetch
+        self.backward_prefetch: str | None = options.backward_prefetch
         if self.root.rt.compiles_graphs:  # the compiler orders the fenced gathers (see Runtime.compiles_graphs)
             self.forward_prefetch, self.backward_prefetch = False, None
         self.max_inflight = int(options.max_inflight_all_gathers)
