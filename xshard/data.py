@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
@@ -112,7 +112,7 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     if isinstance(batch, Mapping):
         moved = {k: move_to_device(v, device, non_blocking) for k, v in batch.items()}
         try:
-            return type(batch)(moved)  # keeps dict subclasses such as HF BatchEncoding
+            return cast(Any, type(batch))(moved)  # keeps dict subclasses such as HF BatchEncoding
         except TypeError:
             return moved
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple
@@ -340,7 +340,7 @@ def shard_data_loader(
             "shard it yourself and pass it to accelerator.prepare_data_loader(loader, shard=False)"
         )
     if isinstance(loader.sampler, RandomSampler) and (
-        loader.sampler.replacement or loader.sampler.num_samples != len(loader.dataset)
+        loader.sampler.replacement or loader.sampler.num_samples != len(cast(Sized, loader.dataset))
     ):
         raise ValueError(
             "prepare() cannot shard a RandomSampler with replacement=True or num_samples set: use "
@@ -355,7 +355,7 @@ def shard_data_loader(
             )
         batch_size //= num_replicas
     sampler = ShardSampler(
-        len(loader.dataset), num_replicas=num_replicas, rank=rank,
+        len(cast(Sized, loader.dataset)), num_replicas=num_replicas, rank=rank,
         shuffle=isinstance(loader.sampler, RandomSampler), seed=seed, drop_last=loader.drop_last,
     )
     return ShardedDataLoader(_rebuild(loader, sampler, batch_size, pad_to_multiple_of), device, sampler, wrap,

@@ -119,7 +119,8 @@ def train_step_check(backend: Backend, dtype: torch.dtype) -> str:
     ref_loss.backward()
     with torch.no_grad():
         for p in reference.parameters():
-            p -= LR * p.grad
+            assert p.grad is not None  # every parameter takes part in the loss
+            p.sub_(LR * p.grad)
     ref_update = [a - b for a, b in zip(_params(reference), before, strict=True)]
 
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -193,7 +194,8 @@ def stage3_check(backend: Backend, coll: Collectives, world_size: int, rank: int
         loss.backward()
         with torch.no_grad():
             for p in reference.parameters():
-                p -= LR * p.grad
+                assert p.grad is not None  # every parameter takes part in the loss
+                p.sub_(LR * p.grad)
 
     model = shard_model(_two_unit_model(), backend,
                         ShardingOptions(stage=3, auto_wrap_policy="size", min_num_params=1000))
