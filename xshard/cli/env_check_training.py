@@ -15,6 +15,7 @@ Each returns a one-line description of what it saw, or raises ``CheckFailed`` sa
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import nn
@@ -149,7 +150,7 @@ def train_step_check(backend: Backend, dtype: torch.dtype) -> str:
     return f"{type(scaler).__module__}.{type(scaler).__qualname__}: {seen}; " + _overflow_step(backend, model, opt, scaler)
 
 
-def _overflow_step(backend: Backend, model: nn.Module, opt: torch.optim.Optimizer, scaler) -> str:
+def _overflow_step(backend: Backend, model: nn.Module, opt: torch.optim.Optimizer, scaler: Any) -> str:
     """A step whose fp16 gradients overflow must leave the parameters alone and lower the scale."""
     dev = backend.device()
     x, y = _data()

@@ -288,7 +288,8 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.recording = recording
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+                           ) -> Any:
         kwargs = kwargs or {}
         if not any(isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves((args, kwargs))):
             return func(*args, **kwargs)
