@@ -270,7 +270,8 @@ class Collectives:
     # names what the call moves, for the collective trace and for error messages.
 
     @overload
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: Literal[False] = ...,
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor,
+                               async_op: Literal[False] = ...,
                                tag: str | None = ...) -> None: ...
     @overload
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, async_op: Literal[True],
@@ -287,10 +288,12 @@ class Collectives:
         return self._result(self._all_gather(output, input), async_op)
 
     @overload
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: str = ..., async_op: Literal[False] = ...,
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
+                              op: str = ..., async_op: Literal[False] = ...,
                               tag: str | None = ...) -> None: ...
     @overload
-    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op: str = ..., *, async_op: Literal[True],
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
+                              op: str = ..., *, async_op: Literal[True],
                               tag: str | None = ...) -> Handle: ...
     def reduce_scatter_tensor(
         self, output: torch.Tensor, input: torch.Tensor, op: str = "avg", async_op: bool = False,
@@ -326,10 +329,12 @@ class Collectives:
         return self._result(self._post_average(self._all_reduce(tensor, op), [tensor], post), async_op)
 
     @overload
-    def all_gather_into_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], async_op: Literal[False] = ...,
+    def all_gather_into_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                async_op: Literal[False] = ...,
                                 tag: str | None = ...) -> None: ...
     @overload
-    def all_gather_into_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], *, async_op: Literal[True],
+    def all_gather_into_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                *, async_op: Literal[True],
                                 tag: str | None = ...) -> Handle: ...
     def all_gather_into_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                 async_op: bool = False, tag: str | None = None) -> Handle | None:
@@ -343,13 +348,16 @@ class Collectives:
         return self._result(self._all_gather_many(list(outputs), list(inputs)), async_op)
 
     @overload
-    def reduce_scatter_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str = ..., async_op: Literal[False] = ...,
+    def reduce_scatter_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                               op: str = ..., async_op: Literal[False] = ...,
                                tag: str | None = ...) -> None: ...
     @overload
-    def reduce_scatter_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str = ..., *, async_op: Literal[True],
+    def reduce_scatter_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                               op: str = ..., *, async_op: Literal[True],
                                tag: str | None = ...) -> Handle: ...
     def reduce_scatter_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                               op: str = "avg", async_op: bool = False, tag: str | None = None) -> Handle | None:
+                               op: str = "avg", async_op: bool = False,
+                               tag: str | None = None) -> Handle | None:
         """``reduce_scatter_tensor`` for each pair, as one operation (one call, the inputs' bytes).
 
         Inputs are contiguous, of one dtype, ``world_size`` times their output's elements, and
@@ -474,7 +482,8 @@ class Collectives:
 
         return Handle([inner], outputs, unpack)
 
-    def _reduce_scatter_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str) -> Handle:
+    def _reduce_scatter_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                             op: str) -> Handle:
         """Default: pack the inputs rank-major into one buffer, one reduce-scatter, copy each slice out."""
         if len(outputs) == 1:
             return self._reduce_scatter(outputs[0].view(-1), inputs[0].view(-1), op)
@@ -507,7 +516,8 @@ def _offsets(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, pos
 
 
-def _check_pairs(name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], world_size: int, gather: bool) -> None:
+def _check_pairs(name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], world_size: int,
+                 gather: bool) -> None:
     if len(outputs) != len(inputs):
         raise ValueError(f"{name}: {len(outputs)} outputs for {len(inputs)} inputs; pass one output per input")
     for i, (o, t) in enumerate(zip(outputs, inputs, strict=True)):
@@ -551,7 +561,8 @@ class SingleProcessCollectives(Collectives):
             self._all_gather(out.view(-1), inp.reshape(-1))
         return _finished(outputs)
 
-    def _reduce_scatter_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str) -> Handle:
+    def _reduce_scatter_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                             op: str) -> Handle:
         for out, inp in zip(outputs, inputs, strict=True):
             self._reduce_scatter(out.view(-1), inp.view(-1), op)
         return _finished(outputs)
@@ -654,7 +665,8 @@ class DistCollectives(Collectives):
         work = _reduce_scatter_single(output, input, op=dop, group=self.group, async_op=True)
         return Handle([work], output, (lambda: output.div_(divisor)) if divisor is not None else None)
 
-    def _reduce_scatter_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str) -> Handle:
+    def _reduce_scatter_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                             op: str) -> Handle:
         if self.reduce_scatter_via_all_reduce or self.reduce_scatter_via_reduce:
             return self._reduce_in_place(outputs, inputs, op, outputs)
         return super()._reduce_scatter_many(outputs, inputs, op)
