@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .base import Backend, StepPatch, World
@@ -198,7 +199,7 @@ class Selection:
         return self.cls.name
 
 
-def select(backend: str | None = None, env: dict[str, str] | None = None) -> Selection:
+def select(backend: str | None = None, env: Mapping[str, str] | None = None) -> Selection:
     """Resolve the backend from ``backend=`` and ``XSHARD_BACKEND`` (see the module docstring)."""
     env = os.environ if env is None else env
     env_raw = env.get(ENV_VAR)

@@ -29,5 +29,6 @@ def checkpoint_forward(module: torch.nn.Module) -> torch.nn.Module:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward
-    module._xshard_checkpointed = True
+    # torch's stubs type Module.__setattr__ as taking a Tensor or a Module only
+    module._xshard_checkpointed = True  # type: ignore[assignment]
     return module

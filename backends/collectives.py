@@ -47,9 +47,9 @@ import json
 import threading
 import zlib
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,13 @@ import torch.distributed as dist
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, RankDiedError
 from .monitor import CollectiveMonitor
 
+if TYPE_CHECKING:
+    from torch.distributed import Work  # a process group's in-flight operation
+
 REDUCE_OPS = ("sum", "avg", "max", "min")
+
+#: what a finished collective hands back: its output tensor, the outputs of a list form, or None (a barrier)
+Output: TypeAlias = "torch.Tensor | list[torch.Tensor] | None"
 
 
 @dataclass
@@ -162,7 +168,8 @@ class Handle:
 
     __slots__ = ("_works", "_finish", "_output", "_done", "_monitor", "_label", "_counted")
 
-    def __init__(self, works: list, output: torch.Tensor | None, finish: Callable[[], None] | None = None):
+    def __init__(self, works: Sequence[Work | Handle | None], output: Output,
+                 finish: Callable[[], object] | None = None) -> None:
         self._works = works
         self._finish = finish
         self._output = output
@@ -177,7 +184,8 @@ class Handle:
         self._monitor, self._label = monitor, (number, description)
         return self
 
-    def wait(self) -> torch.Tensor | None:
+    def wait(self) -> Output:
+        """Block until the work is done (then run ``finish`` once); the output, or None for a barrier."""
         if not self._done:
             monitor = self._monitor
             if monitor is not None:
@@ -205,6 +213,7 @@ class Handle:
 
     @property
     def done(self) -> bool:
+        """Has ``wait()`` completed?"""
         return self._done
 
 
@@ -214,7 +223,7 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.data_ptr() == b.data_ptr() and b.is_contiguous())
 
 
-def _finished(output: torch.Tensor | None) -> Handle:
+def _finished(output: Output) -> Handle:
     h = Handle([], output)
     h._done = True
     return h
@@ -258,8 +267,15 @@ class Collectives:
     # All public methods return a Handle when async_op=True, else None (the work is done). ``tag``
     # names what the call moves, for the collective trace and for error messages.
 
+    @overload
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor,
+                               async_op: Literal[False] = ...,
+                               tag: str | None = ...) -> None: ...
+    @overload
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, *, async_op: Literal[True],
+                               tag: str | None = ...) -> Handle: ...
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
-                               tag: str | None = None):
+                               tag: str | None = None) -> Handle | None:
         """Concatenate every rank's ``input`` (equal sizes) into ``output`` along dim 0."""
         if output.numel() != input.numel() * self.world_size:
             raise ValueError(
@@ -269,10 +285,18 @@ class Collectives:
         self._record("all_gather", tag, _nbytes(output), output.numel())
         return self._result(self._all_gather(output, input), async_op)
 
+    @overload
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
+                              op: str = ..., async_op: Literal[False] = ...,
+                              tag: str | None = ...) -> None: ...
+    @overload
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
+                              op: str = ..., *, async_op: Literal[True],
+                              tag: str | None = ...) -> Handle: ...
     def reduce_scatter_tensor(
         self, output: torch.Tensor, input: torch.Tensor, op: str = "avg", async_op: bool = False,
         tag: str | None = None,
-    ):
+    ) -> Handle | None:
         """Reduce ``input`` over ranks and keep this rank's equal slice (dim 0) in ``output``.
 
         ``input`` is scratch: its contents are unspecified afterwards (some implementations reduce
@@ -288,15 +312,30 @@ class Collectives:
         op, post = self._pre_average(op, input.dtype, [input])
         return self._result(self._post_average(self._reduce_scatter(output, input, op), [output], post), async_op)
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "avg", async_op: bool = False, tag: str | None = None):
+    @overload
+    def all_reduce(self, tensor: torch.Tensor, op: str = ..., async_op: Literal[False] = ...,
+                   tag: str | None = ...) -> None: ...
+    @overload
+    def all_reduce(self, tensor: torch.Tensor, op: str = ..., *, async_op: Literal[True],
+                   tag: str | None = ...) -> Handle: ...
+    def all_reduce(self, tensor: torch.Tensor, op: str = "avg", async_op: bool = False,
+                   tag: str | None = None) -> Handle | None:
         """Reduce ``tensor`` in place over all ranks."""
         _check_op(op)
         self._record("all_reduce", tag, 2 * _nbytes(tensor), tensor.numel())
         op, post = self._pre_average(op, tensor.dtype, [tensor])
         return self._result(self._post_average(self._all_reduce(tensor, op), [tensor], post), async_op)
 
+    @overload
     def all_gather_into_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                async_op: bool = False, tag: str | None = None):
+                                async_op: Literal[False] = ...,
+                                tag: str | None = ...) -> None: ...
+    @overload
+    def all_gather_into_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                *, async_op: Literal[True],
+                                tag: str | None = ...) -> Handle: ...
+    def all_gather_into_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                async_op: bool = False, tag: str | None = None) -> Handle | None:
         """``all_gather_into_tensor`` for each pair, as one operation (one call, the outputs' bytes).
 
         Each output is contiguous with ``world_size`` times its input's elements. An input may be a
@@ -306,8 +345,17 @@ class Collectives:
         self._record("all_gather", tag, sum(_nbytes(o) for o in outputs), sum(o.numel() for o in outputs))
         return self._result(self._all_gather_many(list(outputs), list(inputs)), async_op)
 
+    @overload
     def reduce_scatter_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                               op: str = "avg", async_op: bool = False, tag: str | None = None):
+                               op: str = ..., async_op: Literal[False] = ...,
+                               tag: str | None = ...) -> None: ...
+    @overload
+    def reduce_scatter_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                               op: str = ..., *, async_op: Literal[True],
+                               tag: str | None = ...) -> Handle: ...
+    def reduce_scatter_tensors(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                               op: str = "avg", async_op: bool = False,
+                               tag: str | None = None) -> Handle | None:
         """``reduce_scatter_tensor`` for each pair, as one operation (one call, the inputs' bytes).
 
         Inputs are contiguous, of one dtype, ``world_size`` times their output's elements, and
@@ -323,7 +371,14 @@ class Collectives:
         handle = self._reduce_scatter_many(list(outputs), list(inputs), op)
         return self._result(self._post_average(handle, outputs, post), async_op)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False, tag: str | None = None):
+    @overload
+    def broadcast(self, tensor: torch.Tensor, src: int = ..., async_op: Literal[False] = ...,
+                  tag: str | None = ...) -> None: ...
+    @overload
+    def broadcast(self, tensor: torch.Tensor, src: int = ..., *, async_op: Literal[True],
+                  tag: str | None = ...) -> Handle: ...
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False,
+                  tag: str | None = None) -> Handle | None:
         """Copy rank ``src``'s ``tensor`` into every rank's ``tensor``."""
         self._record("broadcast", tag, _nbytes(tensor), tensor.numel())
         return self._result(self._broadcast(tensor, src), async_op)
@@ -393,16 +448,16 @@ class Collectives:
         return None
 
     # primitives: each returns a Handle (possibly already finished)
-    def _all_gather(self, output, input) -> Handle:
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
         raise NotImplementedError
 
-    def _reduce_scatter(self, output, input, op) -> Handle:
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str) -> Handle:
         raise NotImplementedError
 
-    def _all_reduce(self, tensor, op) -> Handle:
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
         raise NotImplementedError
 
-    def _broadcast(self, tensor, src) -> Handle:
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
         raise NotImplementedError
 
     def _all_gather_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Handle:
@@ -425,7 +480,8 @@ class Collectives:
 
         return Handle([inner], outputs, unpack)
 
-    def _reduce_scatter_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str) -> Handle:
+    def _reduce_scatter_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                             op: str) -> Handle:
         """Default: pack the inputs rank-major into one buffer, one reduce-scatter, copy each slice out."""
         if len(outputs) == 1:
             return self._reduce_scatter(outputs[0].view(-1), inputs[0].view(-1), op)
@@ -458,7 +514,8 @@ def _offsets(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, pos
 
 
-def _check_pairs(name: str, outputs: list, inputs: list, world_size: int, gather: bool) -> None:
+def _check_pairs(name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], world_size: int,
+                 gather: bool) -> None:
     if len(outputs) != len(inputs):
         raise ValueError(f"{name}: {len(outputs)} outputs for {len(inputs)} inputs; pass one output per input")
     for i, (o, t) in enumerate(zip(outputs, inputs, strict=True)):
@@ -479,30 +536,31 @@ class SingleProcessCollectives(Collectives):
     """World size 1: nothing leaves the process. Bytes are still counted (0 sent in practice,
     but the logical payload is what the accounting compares with theory)."""
 
-    def _all_gather(self, output, input):
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input.reshape(output.shape) if input.numel() == output.numel() else input)
         return _finished(output)
 
-    def _reduce_scatter(self, output, input, op):
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str) -> Handle:
         if output.data_ptr() != input.data_ptr():
             output.copy_(input.reshape(output.shape))
         return _finished(output)
 
-    def _all_reduce(self, tensor, op):
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
         return _finished(tensor)
 
-    def _broadcast(self, tensor, src):
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
         return _finished(tensor)
 
     # no packing at world size 1: each pair is a copy at most (through the primitives, which
     # subclasses for devices without data pointers override)
-    def _all_gather_many(self, outputs, inputs):
+    def _all_gather_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Handle:
         for out, inp in zip(outputs, inputs, strict=True):
             self._all_gather(out.view(-1), inp.reshape(-1))
         return _finished(outputs)
 
-    def _reduce_scatter_many(self, outputs, inputs, op):
+    def _reduce_scatter_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                             op: str) -> Handle:
         for out, inp in zip(outputs, inputs, strict=True):
             self._reduce_scatter(out.view(-1), inp.view(-1), op)
         return _finished(outputs)
@@ -570,19 +628,19 @@ class DistCollectives(Collectives):
             if store is not None:
                 self.monitor = CollectiveMonitor(store, self.rank, self.world_size, deadline=0.9 * timeout)
 
-    def _dist_op(self, op: str) -> tuple[dist.ReduceOp, float | None]:
+    def _dist_op(self, op: str) -> tuple[dist.ReduceOp.RedOpType, float | None]:
         """The process-group op and the divisor to apply afterwards (SUM-then-divide for AVG)."""
         if op == "avg" and not self.native_avg:
             return dist.ReduceOp.SUM, float(self.world_size)
         return _DIST_OPS[op], None
 
-    def _all_gather(self, output, input):
+    def _all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
         if self.all_gather_via_broadcast:
             return Handle(self._broadcast_slices(output, input), output)
         work = _all_gather_single(output, input, group=self.group, async_op=True)
         return Handle([work], output)
 
-    def _broadcast_slices(self, output: torch.Tensor, input: torch.Tensor) -> list:
+    def _broadcast_slices(self, output: torch.Tensor, input: torch.Tensor) -> list[Work | None]:
         """All-gather as one broadcast per rank straight into ``output``'s slices (in place)."""
         n = input.numel()
         flat = output.view(-1)
@@ -592,26 +650,27 @@ class DistCollectives(Collectives):
         return [dist.broadcast(flat[r * n:(r + 1) * n], src=self._global_ranks[r], group=self.group, async_op=True)
                 for r in range(self.world_size)]
 
-    def _all_gather_many(self, outputs, inputs):
+    def _all_gather_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Handle:
         if not self.all_gather_via_broadcast:
             return super()._all_gather_many(outputs, inputs)
         works = [w for out, inp in zip(outputs, inputs, strict=True) for w in self._broadcast_slices(out, inp)]
         return Handle(works, outputs)
 
-    def _reduce_scatter(self, output, input, op):
+    def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str) -> Handle:
         if self.reduce_scatter_via_all_reduce or self.reduce_scatter_via_reduce:
             return self._reduce_in_place([output], [input], op, output)
         dop, divisor = self._dist_op(op)
         work = _reduce_scatter_single(output, input, op=dop, group=self.group, async_op=True)
         return Handle([work], output, (lambda: output.div_(divisor)) if divisor is not None else None)
 
-    def _reduce_scatter_many(self, outputs, inputs, op):
+    def _reduce_scatter_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                             op: str) -> Handle:
         if self.reduce_scatter_via_all_reduce or self.reduce_scatter_via_reduce:
             return self._reduce_in_place(outputs, inputs, op, outputs)
         return super()._reduce_scatter_many(outputs, inputs, op)
 
     def _reduce_in_place(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str,
-                         result: object) -> Handle:
+                         result: Output) -> Handle:
         """Reduce-scatter with gloo operations that beat its own: each input is reduced in place (it is
         the caller's scratch: no packing buffer) and this rank's slice is copied out, with the
         average's divide folded into the copy.
@@ -640,12 +699,12 @@ class DistCollectives(Collectives):
 
         return Handle(works, result, finish)
 
-    def _all_reduce(self, tensor, op):
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
         dop, divisor = self._dist_op(op)
         work = dist.all_reduce(tensor, op=dop, group=self.group, async_op=True)
         return Handle([work], tensor, (lambda: tensor.div_(divisor)) if divisor is not None else None)
 
-    def _broadcast(self, tensor, src):
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
         work = dist.broadcast(tensor, src=self._global_ranks[src], group=self.group, async_op=True)
         return Handle([work], tensor)
 
@@ -672,7 +731,7 @@ class DistCollectives(Collectives):
     def _explain_mismatch(self) -> str:
         """Exchange the ranks' recent entries through the store and describe the first difference."""
         mine = {"count": self.trace.count, "entries": self.trace.numbered()}
-        traces: dict[int, dict] = {self.rank: mine}
+        traces: dict[int, dict[str, Any]] = {self.rank: mine}
         try:
             store = _job_store()
             key = f"xshard/collective-trace/{self._checks}"
@@ -711,7 +770,7 @@ _MISMATCH_HINT = (
     "model.summon_full_params() on every rank first.")
 
 
-def describe_mismatch(traces: dict[int, dict]) -> str:
+def describe_mismatch(traces: dict[int, dict[str, Any]]) -> str:
     """The first collective (by number since the last check) at which ranks' entries differ."""
     by_number = {r: dict(map(tuple, t["entries"])) for r, t in traces.items()}
     counts = {r: t["count"] for r, t in traces.items()}

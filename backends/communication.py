@@ -19,15 +19,11 @@ import torch.distributed as dist
 
 from .collectives import IN_FLIGHT, Collectives, DistCollectives, SingleProcessCollectives
 from .errors import WorldEnvironmentError, WorldSizeError
-
-if TYPE_CHECKING:
-    from .base import World
+from .world import DEFAULT_MASTER_ADDR as DEFAULT_MASTER_ADDR  # re-exported: defined with World now
+from .world import DEFAULT_MASTER_PORT as DEFAULT_MASTER_PORT
+from .world import World
 
 log = logging.getLogger("xshard.backends")
-
-DEFAULT_MASTER_ADDR = "127.0.0.1"
-DEFAULT_MASTER_PORT = "29500"
-
 
 class CommunicationAPI:
     """Process group, collectives and the world-size rules. Mixed into ``Backend``."""
@@ -48,6 +44,10 @@ class CommunicationAPI:
     _subgroups: dict[tuple[tuple[tuple[int, ...], ...], str], Collectives]
     #: the process group's timeout, once started (the collectives' hang diagnosis reads it)
     _timeout: datetime.timedelta | None = None
+
+    if TYPE_CHECKING:
+        def set_device(self) -> None:
+            """The device role's (``DeviceAPI.set_device``)."""
 
     # ------------------------------------------------------------------ the world
     def check_world(self) -> None:

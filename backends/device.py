@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from .errors import BackendUnavailableError
-
-if TYPE_CHECKING:
-    from .base import World
+from .world import World
 
 
 class StepPatch:

@@ -97,7 +97,7 @@ class NPUBackend(Backend):
         # Never imports torch_npu: if it is not imported, its runtime cannot have started.
         if sys.modules.get("torch_npu") is None:
             return False
-        return bool(torch.npu.is_initialized())
+        return bool(torch.npu.is_initialized())  # type: ignore[attr-defined]  # torch.npu: added by torch_npu
 
     @classmethod
     def format_visible_devices(cls, ids: list[int]) -> str:

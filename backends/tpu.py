@@ -158,7 +158,7 @@ class TPUBackend(Backend):
 
     def _generator(self) -> torch.Generator:
         index = self._index if self._index is not None else int(torch.accelerator.current_device_index())
-        return _quietly(lambda: torch.tpu.default_generators[index])
+        return _quietly(lambda: torch.tpu.default_generators[index])  # type: ignore[attr-defined]  # torch_tpu's
 
     def memory_stats(self) -> dict[str, int]:
         return {"allocated": int(torch.accelerator.memory_allocated()),

@@ -330,7 +330,8 @@ class XLABackend(Backend):
             args, names, values = packed[:n_args], packed[n_args:n_args + n_kwargs], packed[n_args + n_kwargs:]
             return inner(*args, **dict(zip(names, values, strict=True)))
 
-        module._xshard_checkpointed_call = types.MethodType(run_inner, module)
+        # torch's stubs type Module.__setattr__ as taking a Tensor or a Module only
+        module._xshard_checkpointed_call = types.MethodType(run_inner, module)  # type: ignore[assignment]
 
         @functools.wraps(inner)
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -344,7 +345,8 @@ class XLABackend(Backend):
                               *anchors, *packed)
 
         module.forward = forward
-        module._xshard_checkpointed = True
+        # torch's stubs type Module.__setattr__ as taking a Tensor or a Module only
+        module._xshard_checkpointed = True  # type: ignore[assignment]
         return module
 
     def wrap_dataloader(self, loader: Any) -> Any:

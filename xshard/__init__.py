@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 from pathlib import Path
+from typing import Any
 
 from ._version import __version__
 
@@ -25,7 +27,8 @@ class _SourceTreeBackends(importlib.abc.MetaPathFinder):
     def __init__(self, name: str, folder: Path) -> None:
         self.name, self.folder = name, folder
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None):
+    def find_spec(self, fullname: str, path: object = None, target: object = None
+                  ) -> importlib.machinery.ModuleSpec | None:
         if fullname != self.name:
             return None
         return importlib.util.spec_from_file_location(
@@ -57,7 +60,7 @@ def _bind_backends_from_source_tree() -> None:
 _bind_backends_from_source_tree()
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     """Public names, imported on first use so that `import xshard` stays light (no torch import)."""
     if name == "Accelerator":
         from .accelerator import Accelerator

@@ -44,7 +44,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader
@@ -317,7 +317,7 @@ class Accelerator:
         shard, so an optimizer built before ``prepare`` keeps working.
         """
         out: list[Any] = list(objs)
-        order = (
+        order: tuple[tuple[type, Callable[[Any], Any]], ...] = (
             (torch.nn.Module, self.prepare_model),
             (torch.optim.Optimizer, self.prepare_optimizer),
             (DataLoader, self.prepare_data_loader),
@@ -502,8 +502,9 @@ class Accelerator:
             out = t.detach().to(self.device).clone()
             if not out.is_floating_point() and reduction == "mean":
                 out = out.float()
-            if ops[reduction] is not None and self.world_size > 1:
-                self.backend.collectives.all_reduce(out, op=ops[reduction])
+            op = ops[reduction]
+            if op is not None and self.world_size > 1:
+                self.backend.collectives.all_reduce(out, op=op)
             return out * scale if scale != 1.0 else out
 
         return self._cut_after_collectives(metrics.map_tensors(data, one))
@@ -911,7 +912,7 @@ class Accelerator:
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Full (unsharded) CPU weights, keys as the user's ``module.state_dict()``; complete on rank 0."""
         if hasattr(model, "full_state_dict"):
-            return model.full_state_dict(rank0_only=True)
+            return cast(Any, model).full_state_dict(rank0_only=True)
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
     def save_state(self, directory: str | os.PathLike | None = None, state_dict_type: str | None = None,
@@ -942,6 +943,7 @@ class Accelerator:
             if save_total_limit is None:
                 save_total_limit = getattr(self.project_configuration, "total_limit", None)
         background = self.config.async_save if async_save is None else bool(async_save)
+        assert directory is not None  # named above when it was not given
         path = save_state(self.job, directory, state_dict_type, save_total_limit, async_save=background)
         auto_resume.record(path, self.local_process_index)  # where a restarted job resumes from
         if automatic:

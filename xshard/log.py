@@ -144,7 +144,8 @@ class MultiProcessAdapter(logging.LoggerAdapter):
     """A logger for multi-process jobs that takes Accelerate's ``main_process_only`` and ``in_order``
     keywords on every call (see the module docstring); otherwise a ``logging.Logger``'s methods."""
 
-    def log(self, level: int, msg: object, *args: Any, main_process_only: bool | None = None,
+    # Accelerate's keywords beside LoggerAdapter's own (exc_info, stacklevel ... pass through **kwargs)
+    def log(self, level: int, msg: object, *args: Any, main_process_only: bool | None = None,  # type: ignore[override]
             in_order: bool = False, **kwargs: Any) -> None:
         """Log ``msg``: on this process's level (default), the main process only, or every process."""
         kwargs.setdefault("stacklevel", 2)

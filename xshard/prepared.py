@@ -71,7 +71,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     # state forwarding (schedulers and user code read and write these)
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -79,7 +79,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.optimizer.param_groups = value
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:
         return self.optimizer.state
 
     @state.setter
@@ -87,7 +87,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.optimizer.state = value
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
     @defaults.setter
@@ -117,7 +117,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
             scaler.unscale_(self._stepper)
             self._unscaled = True
 
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # a closure is refused, so no loss is returned
         """Step at the end of an accumulation window; a no-op inside it."""
         if closure is not None:
             raise ValueError("a prepared optimizer does not take a closure: compute the loss before step()")

@@ -231,6 +231,7 @@ def persistent_buffers(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
 def _load_buffers(module: nn.Module, reader: Any, available: Any) -> None:
     for name, (owner, attr) in persistent_buffers(module).items():
         current = owner._buffers[attr]
+        assert current is not None  # persistent_buffers() names set buffers only
         if isinstance(reader, BroadcastRows):
             if reader.has([name]):
                 owner._buffers[attr] = reader.full(name, current)

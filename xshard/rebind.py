@@ -67,7 +67,8 @@ class StaleParameterGuard:
     def _check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if self._old.get(id(p)) is p:
+                stale = self._old.get(id(p))
+                if stale is not None and stale is p:
                     raise StaleParameterError(
                         f"{type(optimizer).__name__} steps a parameter of shape {tuple(p.shape)} that prepare() "
                         "replaced (its tensors could not move to the device in place), so the model would never "

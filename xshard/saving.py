@@ -55,7 +55,7 @@ def drop_shared(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
     out = {}
     for key, tensor in state_dict.items():
-        ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        ident = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()), tuple(tensor.shape))
         if tensor.numel() and ident in seen:
             continue
         seen.add(ident)

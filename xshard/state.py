@@ -64,6 +64,10 @@ class FSDPPluginView:
     _STATE_DICT = {"full": "FULL_STATE_DICT", "local": "LOCAL_STATE_DICT", "sharded": "SHARDED_STATE_DICT"}
     _WRAP = {"transformer": "transformer_based_wrap", "size": "size_based_wrap", "none": "no_wrap"}
 
+    # set with object.__setattr__ (this class's own __setattr__ writes the config)
+    _config: Any
+    _policy: Any
+
     def __init__(self, config: Any) -> None:
         object.__setattr__(self, "_config", config)
         object.__setattr__(self, "_policy", None)
@@ -141,7 +145,7 @@ class FSDPPluginView:
     def set_state_dict_type(self, state_dict_type: Any = None) -> None:
         """Accelerate's setter: FULL_STATE_DICT / SHARDED_STATE_DICT / LOCAL_STATE_DICT (or enums)."""
         if state_dict_type is not None:
-            self.state_dict_type = state_dict_type
+            self.state_dict_type = state_dict_type  # type: ignore[misc]  # __setattr__ below writes it
 
     def __setattr__(self, name: str, value: Any) -> None:
         from .config.fsdp import STATE_DICT, WRAP

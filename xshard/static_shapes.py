@@ -25,7 +25,7 @@ that are not padded and change shape from batch to batch get one log line saying
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -103,7 +103,7 @@ def _pad_dim(tensor: torch.Tensor, dim: int, target: int, value: float) -> torch
 
 def _same_container(batch: Mapping, values: dict) -> Any:
     try:
-        return type(batch)(values)  # keeps dict subclasses such as BatchEncoding
+        return cast(Any, type(batch))(values)  # keeps dict subclasses such as BatchEncoding
     except TypeError:
         return values
 

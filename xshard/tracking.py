@@ -130,7 +130,7 @@ class MLflowTracker:
 
 
 #: tracker name -> (class, import name, pip package)
-TRACKERS: dict[str, tuple[type, str, str]] = {
+TRACKERS: dict[str, tuple[type[TensorBoardTracker | WandBTracker | MLflowTracker], str, str]] = {
     "tensorboard": (TensorBoardTracker, "tensorboard", "tensorboard"),
     "wandb": (WandBTracker, "wandb", "wandb"),
     "mlflow": (MLflowTracker, "mlflow", "mlflow"),
@@ -182,7 +182,8 @@ def start(chosen: list[Any], project_name: str, logging_dir: str | None, config:
     started = []
     for item in chosen:
         if isinstance(item, str):
-            cls = TRACKERS[item][0]
+            # choose() refused a tracker that writes files without logging_dir
+            cls: Any = TRACKERS[item][0]
             tracker = cls(project_name, logging_dir, **init_kwargs.get(item, {}))
         else:
             tracker = item

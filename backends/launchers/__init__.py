@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     """``XLALauncher`` on first use (its module imports the xla backend module)."""
     if name == "XLALauncher":
         from .xla import XLALauncher

@@ -88,11 +88,12 @@ def _ranks_store_on_loopback() -> Iterator[None]:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
     original = DynamicRendezvousHandler._create_tcp_store_server
-    DynamicRendezvousHandler._create_tcp_store_server = lambda self, addr, port: loopback_store(port)
+    DynamicRendezvousHandler._create_tcp_store_server = (  # type: ignore[method-assign]
+        lambda self, master_addr, master_port: loopback_store(master_port))
     try:
         yield
     finally:
-        DynamicRendezvousHandler._create_tcp_store_server = original
+        DynamicRendezvousHandler._create_tcp_store_server = original  # type: ignore[method-assign]
 
 
 class TorchrunLauncher(Launcher):

@@ -37,7 +37,8 @@ def tpu_launch_env(nnodes: int, nproc_per_node: int) -> dict[str, str]:
     environment (it writes ``os.environ``; the plan carries the values to the workers instead)."""
     before = dict(os.environ)
     try:
-        torch.tpu.distributed.set_tpu_launch_env(nnodes=nnodes, nproc_per_node=nproc_per_node)
+        torch.tpu.distributed.set_tpu_launch_env(  # type: ignore[attr-defined]  # torch.tpu: added by torch_tpu
+            nnodes=nnodes, nproc_per_node=nproc_per_node)
         return {k: v for k, v in os.environ.items() if before.get(k) != v}
     except ValueError as exc:  # its messages name the variable and the value it expected
         raise LaunchError(f"tpu: TorchTPU cannot set up this launch: {exc}") from exc

@@ -35,6 +35,8 @@ def main(argv: list[str]) -> int:
         def stop_replicas(signum: int, frame: object) -> None:
             received.append(signum)
             for child in multiprocessing.active_children():
+                if child.pid is None:  # not started (active_children() holds started ones only)
+                    continue
                 try:
                     os.kill(child.pid, signal.SIGTERM)
                 except ProcessLookupError:

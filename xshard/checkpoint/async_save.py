@@ -108,8 +108,10 @@ class HostStaging:
         if host is None:
             host = self._storage(source.nbytes())
             if source.nbytes():
-                whole = torch.empty(0, dtype=torch.uint8, device=source.device).set_(source, 0, (source.nbytes(),))
-                target = torch.empty(0, dtype=torch.uint8).set_(host, 0, (source.nbytes(),))
+                # torch's stubs demand a stride beside the size; the default (contiguous) is what is meant
+                whole = torch.empty(0, dtype=torch.uint8, device=source.device).set_(  # type: ignore[call-overload]
+                    source, 0, (source.nbytes(),))
+                target = torch.empty(0, dtype=torch.uint8).set_(host, 0, (source.nbytes(),))  # type: ignore[call-overload]
                 target.copy_(whole, non_blocking=host.is_pinned())
             self._copied[key] = host
         return torch.empty(0, dtype=tensor.dtype).set_(host, tensor.storage_offset(), tensor.size(), tensor.stride())

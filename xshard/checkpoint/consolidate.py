@@ -9,6 +9,7 @@ output file appears whole or not at all.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from .tensorfile import HashingFile, atomic_path, write_safetensors
 WEIGHTS = "model.safetensors"
 
 
-def consolidated_state_dict(checkpoint: str | Path, model_index: int = 0) -> dict[str, torch.Tensor]:
+def consolidated_state_dict(checkpoint: str | os.PathLike[str], model_index: int = 0) -> dict[str, torch.Tensor]:
     """The full state dict of model ``model_index`` of a checkpoint, assembled from its row pieces."""
     folder = Path(checkpoint)
     manifest = read_manifest(folder)

@@ -33,7 +33,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -128,9 +128,9 @@ class FileWriter:
         fail = os.environ.get(FAIL_AFTER_ENV)
         fail_rank = os.environ.get(FAIL_RANK_ENV)
         applies = fail is not None and (fail_rank is None or int(fail_rank) == rank)
-        self._fail_after = int(fail) if applies else None
+        self._fail_after = int(fail) if applies and fail is not None else None
 
-    def _write(self, name: str, write: Callable[[HashingFile], None]) -> None:
+    def _write(self, name: str, write: Callable[[HashingFile], object]) -> None:
         if self.no_space is None:
             try:
                 with open(self.folder / name, "wb") as f:
@@ -161,7 +161,8 @@ class FileWriter:
 
     def torch(self, name: str, obj: Any) -> None:
         """Write plain data and tensors with ``torch.save`` (loaded back with ``weights_only=True``)."""
-        self._write(name, lambda out: torch.save(obj, out))
+        # HashingFile is a binary file object (write, flush), which is all torch.save uses
+        self._write(name, lambda out: torch.save(obj, cast(IO[bytes], out)))
 
     def text(self, name: str, text: str) -> None:
         """Write a text file (e.g. a model's config.json)."""

@@ -63,8 +63,9 @@ def _torch_load(path: Path, mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)``, with numpy's arrays allowed (Accelerate's RNG files hold them)."""
     import numpy as np
 
-    allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np.core.multiarray._reconstruct] \
-        if hasattr(np, "core") else [np.ndarray, np.dtype]
+    allowed: list[Any] = [np.ndarray, np.dtype]
+    if hasattr(np, "core"):  # numpy 2's stubs name it np._core; np.core still runs
+        allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np.core.multiarray._reconstruct]  # type: ignore[attr-defined]
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -107,7 +108,8 @@ def _optimizer_source(folder: Path, i: int, keys: list[list[str]]) -> tuple[Any,
             raise CheckpointMismatchError(f"{full}: the optimizer has {len(saved_params)} parameters in the "
                                           f"checkpoint, {len(names)} here; build it with the same parameters")
         name_of = dict(zip(saved_params, names, strict=False)) if by_position else {p: p for p in saved_params}
-        tensors, extra = {}, {}
+        tensors: dict[str, torch.Tensor] = {}
+        extra: dict[str, dict[str, Any]] = {}
         for param, values in state_dict["state"].items():
             for state_name, value in values.items():
                 if isinstance(value, torch.Tensor):
@@ -122,10 +124,10 @@ def _optimizer_source(folder: Path, i: int, keys: list[list[str]]) -> tuple[Any,
         source = DcpSource(sharded, ("optimizer", "state"))
         groups_source = DcpSource(sharded, ("optimizer", "param_groups"))
         values = groups_source.read_bytes(list(groups_source.byte_keys.values()))
-        groups: dict[int, dict[str, Any]] = {}
+        by_index: dict[int, dict[str, Any]] = {}
         for (index, field), key in groups_source.byte_keys.items():
-            groups.setdefault(int(index), {})[field] = values[key]
-        ordered = [groups[g] for g in sorted(groups)]
+            by_index.setdefault(int(index), {})[field] = values[key]
+        ordered = [by_index[g] for g in sorted(by_index)]
         record = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in ordered],
                   "param_keys": [list(g.get("params", [])) for g in ordered], "extra": {}}
         return source, record

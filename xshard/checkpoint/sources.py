@@ -114,7 +114,8 @@ def _dcp_read(folder: Path, rows: dict[str, tuple[int, int]], byte_keys: list[st
         """Asks DCP for one row range of each tensor (DCP reshards from the saved chunks)."""
 
         def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
-            self.metadata, self.out = metadata, {}
+            self.metadata = metadata
+            self.out: dict[str, Any] = {}
 
         def create_local_plan(self) -> LoadPlan:
             items = []

@@ -91,7 +91,7 @@ def write_safetensors(out: HashingFile | IO[bytes], tensors: dict[str, torch.Ten
     for tensor in tensors.values():
         raw = _raw_bytes(tensor)
         for start in range(0, raw.numel(), _CHUNK):
-            out.write(raw[start:start + _CHUNK].numpy())
+            out.write(raw[start:start + _CHUNK].numpy())  # type: ignore[call-overload]  # a bytes-like buffer
 
 
 @contextmanager

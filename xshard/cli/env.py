@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     report = gather(selection, backend)
     report["devices_applied"] = applied
     results = run_checks(backend, timeout=args.timeout) if args.check else None
-    failed = bool(results) and not all(r.passed for r in results)
+    failed = results is not None and any(not r.passed for r in results)
     if args.json:
         if results is not None:
             report["checks"] = [r.as_dict() for r in results]

@@ -11,6 +11,7 @@ overflowing step), and a ZeRO-3 step of a two-unit model against plain PyTorch (
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -60,15 +61,19 @@ def run_checks(backend: Backend, timeout: float = 60.0) -> list[CheckResult]:
     check("matmul_fp32", lambda: _matmul(backend, None))
     low = [dtype for dtype in (torch.bfloat16, torch.float16) if backend.supports(dtype)]
     for dtype in low:
-        check(f"matmul_autocast_{_short(dtype)}", lambda d=dtype: _matmul(backend, d))
+        check(f"matmul_autocast_{_short(dtype)}", functools.partial(_matmul, backend, dtype))
     for dtype in low:
-        check(f"train_step_{_short(dtype)}", lambda d=dtype: train_step_check(backend, d))
+        check(f"train_step_{_short(dtype)}", functools.partial(train_step_check, backend, dtype))
     if grouped or world.world_size == 1:
         # the sharded core reduces over the backend's own collectives (one process: none needed)
         check("stage3_two_units", lambda: stage3_check(backend, backend.collectives, world.world_size, world.rank))
     else:
         results.append(CheckResult("stage3_two_units", False, "not run: the process group did not start"))
-    check("synchronize", lambda: (backend.synchronize(), "device queue drained")[1])
+    def synchronize() -> str:
+        backend.synchronize()
+        return "device queue drained"
+
+    check("synchronize", synchronize)
     try:
         backend.destroy_process_group()
     except Exception as exc:

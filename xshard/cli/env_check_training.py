@@ -15,6 +15,7 @@ Each returns a one-line description of what it saw, or raises ``CheckFailed`` sa
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import nn
@@ -119,7 +120,8 @@ def train_step_check(backend: Backend, dtype: torch.dtype) -> str:
     ref_loss.backward()
     with torch.no_grad():
         for p in reference.parameters():
-            p -= LR * p.grad
+            assert p.grad is not None  # every parameter takes part in the loss
+            p.sub_(LR * p.grad)
     ref_update = [a - b for a, b in zip(_params(reference), before, strict=True)]
 
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -148,7 +150,7 @@ def train_step_check(backend: Backend, dtype: torch.dtype) -> str:
     return f"{type(scaler).__module__}.{type(scaler).__qualname__}: {seen}; " + _overflow_step(backend, model, opt, scaler)
 
 
-def _overflow_step(backend: Backend, model: nn.Module, opt: torch.optim.Optimizer, scaler) -> str:
+def _overflow_step(backend: Backend, model: nn.Module, opt: torch.optim.Optimizer, scaler: Any) -> str:
     """A step whose fp16 gradients overflow must leave the parameters alone and lower the scale."""
     dev = backend.device()
     x, y = _data()
@@ -193,7 +195,8 @@ def stage3_check(backend: Backend, coll: Collectives, world_size: int, rank: int
         loss.backward()
         with torch.no_grad():
             for p in reference.parameters():
-                p -= LR * p.grad
+                assert p.grad is not None  # every parameter takes part in the loss
+                p.sub_(LR * p.grad)
 
     model = shard_model(_two_unit_model(), backend,
                         ShardingOptions(stage=3, auto_wrap_policy="size", min_num_params=1000))

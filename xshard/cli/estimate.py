@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
+from typing import Any
 
 from xshard.estimate import (
     GB,
@@ -35,9 +37,9 @@ ROWS = [("parameters", "params"), ("gradients", "grads"), ("optimizer states", "
         ("host memory per process", "host")]
 
 
-def _typed(parse):
+def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """Turn an EstimateError from a parser into argparse's "argument --x: invalid value" message."""
-    def convert(text: str):
+    def convert(text: str) -> Any:
         try:
             return parse(text)
         except EstimateError as exc:

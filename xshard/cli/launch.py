@@ -123,7 +123,8 @@ def plan_launch(opts: LaunchOptions, env: Mapping[str, str] | None = None) -> La
         raise LaunchError(f"--nproc {nproc}: give at least 1 process per node")
     if n_devices is not None and nproc is not None and nproc > n_devices:
         raise LaunchError(f"--nproc {nproc} is more than the {n_devices} device(s) in --devices")
-    nnodes, node_rank = opts.nnodes, opts.node_rank
+    nnodes, node_rank, master_addr = opts.nnodes, opts.node_rank, opts.master_addr
+    assert nnodes is not None and node_rank is not None and master_addr is not None  # _with_config_defaults
     _check_counts(opts)
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise LaunchError(f"--node_rank {node_rank} must be in 0..{nnodes - 1} (--nnodes {nnodes})")
@@ -137,7 +138,7 @@ def plan_launch(opts: LaunchOptions, env: Mapping[str, str] | None = None) -> La
     request = LaunchRequest(
         backend=backend.name, script=opts.script, script_args=tuple(opts.script_args), module=opts.module,
         nproc=nproc, nproc_given=opts.nproc is not None, nnodes=nnodes, node_rank=node_rank,
-        master_addr=opts.master_addr, master_port=opts.master_port, max_restarts=opts.max_restarts,
+        master_addr=master_addr, master_port=opts.master_port, max_restarts=opts.max_restarts,
         join_timeout=opts.join_timeout, env=child_env, parent_env=dict(env),
     )
     return backend.launcher().plan(request)

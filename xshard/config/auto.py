@@ -123,7 +123,8 @@ def _batch(args: ScriptArgs, data: dict) -> int | None:
     micro = data.get("train_micro_batch_size_per_gpu")
     accum = data.get("gradient_accumulation_steps", 1)
     numbers = [world, micro, accum]
-    if all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):
+    if (isinstance(world, int) and isinstance(micro, int) and isinstance(accum, int)
+            and not any(isinstance(n, bool) for n in numbers)):
         return world * micro * accum
     return LATER if micro is None else None
 

@@ -49,7 +49,7 @@ PREFETCH = {"backward_pre": "pre", "pre": "pre", "backward_post": "post", "post"
 STATE_DICT = {"full_state_dict": "full", "full": "full", "local_state_dict": "local", "local": "local",
               "sharded_state_dict": "sharded", "sharded": "sharded"}
 # accelerate's yaml stores its menu choices as 1-based numbers
-_MENU = {
+_MENU: dict[str, dict[int, Any]] = {
     "sharding_strategy": {1: 3, 2: 2, 3: 0},
     "backward_prefetch": {1: "pre", 2: "post", 3: "none"},
     "state_dict_type": {1: "full", 2: "local", 3: "sharded"},

@@ -27,10 +27,10 @@ import difflib
 import json
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -194,10 +194,13 @@ class XShardConfig:
                      ) -> XShardConfig:
         """From the HF Trainer's ``--fsdp "full_shard auto_wrap offload"`` and its ``fsdp_config``."""
         source = "fsdp_config"
+        config: Mapping[str, Any] | None
         if isinstance(fsdp_config, (str, os.PathLike)):
             source = str(fsdp_config)
-            fsdp_config = parse_text(_read_bytes(fsdp_config), source)
-        reading = _guard(source, lambda: read_hf_fsdp(fsdp, fsdp_config, Reading(source)))
+            config = parse_text(_read_bytes(fsdp_config), source)
+        else:
+            config = fsdp_config
+        reading = _guard(source, lambda: read_hf_fsdp(fsdp, config, Reading(source)))
         return cls._build(reading, overrides, os.environ if env is None else env)
 
     @classmethod
@@ -429,7 +432,10 @@ def read_file(path: str | os.PathLike, script_args: Any = None, env: Mapping[str
     return read_mapping(data, source, script_args, env or {}, Path(path).resolve().parent)
 
 
-def _guard(source: str, read: Any) -> Reading:
+_Read = TypeVar("_Read")
+
+
+def _guard(source: str, read: Callable[[], _Read]) -> _Read:
     try:
         return read()
     except XShardConfigError as exc:

@@ -11,15 +11,19 @@ here, at every stage: buffers are replicated (never sharded), packed into one br
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # types only: the core imports nothing of the device layer at run time
+    from xshard.backends import Collectives
 
 
 class BufferSync:
     """A forward pre-hook on the root module that broadcasts rank 0's buffers (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, collectives, syncing: Callable[[], bool],
+    def __init__(self, module: nn.Module, collectives: Collectives, syncing: Callable[[], bool],
                  alone: Callable[[], bool]) -> None:
         self.module = module
         self.collectives = collectives

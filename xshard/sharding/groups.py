@@ -21,8 +21,12 @@ group (``all_reduce_inter``) and ``"_post_forward"`` for the post-forward group
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .plan import ShardingPlan
+
+if TYPE_CHECKING:  # types only: the core imports nothing of the device layer at run time
+    from xshard.backends import Backend, Collectives
 
 #: counter-kind suffixes per group kind (see the module docstring)
 INTER = "_inter"
@@ -49,13 +53,13 @@ class ProcessGroups:
     replica_rank: the index of this rank's shard group (0 for the first replica).
     """
 
-    shard: object
-    replicas: object | None
-    post_forward: object | None
+    shard: Collectives
+    replicas: Collectives | None
+    post_forward: Collectives | None
     replica_rank: int
 
     @classmethod
-    def make(cls, backend, plan: ShardingPlan) -> ProcessGroups:
+    def make(cls, backend: Backend, plan: ShardingPlan) -> ProcessGroups:
         """The groups ``plan`` needs on ``backend``'s job (every rank calls this, in the same order)."""
         world = backend.collectives.world_size
         rank = backend.collectives.rank

@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .layout import ShardLayout
+
+if TYPE_CHECKING:  # model.py imports this module
+    from .model import ShardedModel
 
 #: ``read_rows(names, start, stop, shape, dtype)``: rows ``start:stop`` (dim 0) of the tensor stored
 #: under the first of ``names`` that exists (a tied parameter has several names). ``shape`` and
@@ -49,11 +53,11 @@ def meta_parameters() -> Iterator[None]:
             param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
         original(module, name, param)
 
-    nn.Module.register_parameter = register_on_meta
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
-        nn.Module.register_parameter = original
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def parameter_names(module: nn.Module) -> dict[int, list[str]]:
@@ -74,7 +78,7 @@ def _read(read_rows: RowReader, names: list[str], rows: ShardLayout, dtype: torc
     return value.reshape(rows.local_shape)
 
 
-def fill_shards(model: nn.Module, read_rows: RowReader) -> int:
+def fill_shards(model: ShardedModel, read_rows: RowReader) -> int:
     """Fill every shard of a ``ShardedModel`` (stages 1-3) with this rank's rows from ``read_rows``.
 
     Every rank must call it (a reader may run collectives), parameters in unit order. Returns the

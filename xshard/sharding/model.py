@@ -7,7 +7,7 @@ import logging
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from .shard_engine import ShardedEngine
 from .sharded_init import RecordedRows, recording_of
 from .unit import Runtime, Unit
 from .wrap import split_into_units
+
+if TYPE_CHECKING:  # types only: the core imports nothing of the device layer at run time
+    from xshard.backends import Backend
 
 log = logging.getLogger("xshard.sharding")
 
@@ -55,7 +58,7 @@ class ShardedModel(nn.Module):
     tensors with the user's names (a collective: every rank calls it).
     """
 
-    def __init__(self, module: nn.Module, backend, options: ShardingOptions) -> None:
+    def __init__(self, module: nn.Module, backend: Backend, options: ShardingOptions) -> None:
         super().__init__()
         self.module = module
         self.backend = backend
@@ -132,7 +135,8 @@ class ShardedModel(nn.Module):
             precision.output_dtype) if autocast_dtype is not None or precision.output_dtype is not None else None
         self._summoned = False
         self._buffers_sync = BufferSync(module, self.collectives, lambda: self._engine.sync, lambda: self._summoned)
-        self._state_dict_hooks = _state_dict.StateDictHooks(self)
+        # not ``_state_dict_hooks``: that name is nn.Module's own table of state-dict hooks
+        self._sharded_state_dict = _state_dict.StateDictHooks(self)
         # Sharded gradients must not be reduced again by a script's own step call (xm.optimizer_step
         # on XLA): the backend patches such a call while this model lives (see close()).
         self._step_patch = backend.optimizer_step_patch() if plan.shard_parameters else None
@@ -143,10 +147,12 @@ class ShardedModel(nn.Module):
         """Hybrid sharding: every replica of a shard takes the first replica's values (one broadcast per
         parameter over the replica group), so replicas cannot start apart, e.g. from ranks that built
         the model with different seeds (sync_module_states does this for the whole model instead)."""
+        replicas = self.groups.replicas
+        assert replicas is not None  # called with hybrid sharding only
         with torch.no_grad():
             for unit in self.units:
                 for sp in unit.params:
-                    self.groups.replicas.broadcast(sp.padded, src=0, tag=f"broadcast of replica 0's shard of "
+                    replicas.broadcast(sp.padded, src=0, tag=f"broadcast of replica 0's shard of "
                                                                          f"{sp.spec.fqn}")
         self._engine.shards_changed()
 
@@ -215,7 +221,7 @@ class ShardedModel(nn.Module):
 
     def raw_state_dict(self) -> contextlib.AbstractContextManager[None]:
         """A block in which the user's module's ``state_dict()`` returns the live shards, no collective."""
-        return self._state_dict_hooks.raw()
+        return self._sharded_state_dict.raw()
 
     # ------------------------------------------------------------------ training
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -290,7 +296,7 @@ class ShardedModel(nn.Module):
         self._closed = True
         self._engine.remove_hooks()
         self._buffers_sync.remove()
-        self._state_dict_hooks.remove()
+        self._sharded_state_dict.remove()
         if self._precision is not None:
             self._precision.remove()
         if self._finalizer is not None:
@@ -336,7 +342,7 @@ class ShardedModel(nn.Module):
         """The user's module's state dict: the user's names and whole tensors on the CPU (a collective)."""
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """Load a full state dict (each rank keeps its rows) or this rank's pieces, by the user's names."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
@@ -357,7 +363,7 @@ class ShardedModel(nn.Module):
         _state_dict.load_full_state_dict(self, state_dict)
 
 
-def shard_model(module: nn.Module, backend, options: ShardingOptions | None = None) -> ShardedModel:
+def shard_model(module: nn.Module, backend: Backend, options: ShardingOptions | None = None) -> ShardedModel:
     """Shard ``module`` over ``backend``'s process group (which must be running) as ``options`` say."""
     options = ShardingOptions() if options is None else options
     options.validate()

@@ -11,9 +11,13 @@ model.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # types only: the core imports nothing of the device layer at run time
+    from xshard.backends import Collectives
 
 #: the most bytes broadcast at once (a bucket), unless one tensor is larger
 BUCKET_BYTES = 128 << 20
@@ -33,7 +37,7 @@ def _buckets(tensors: list[torch.Tensor], capacity: int) -> Iterator[list[torch.
         yield run
 
 
-def sync_module_states(module: nn.Module, collectives, device: torch.device, mark_step: Callable[[], None]) -> None:
+def sync_module_states(module: nn.Module, collectives: Collectives, device: torch.device, mark_step: Callable[[], None]) -> None:
     """Broadcast rank 0's parameters and buffers to every rank (see the module docstring).
 
     ``mark_step`` (the backend's) cuts the graph after each broadcast: on XLA:CPU the replica threads

@@ -101,7 +101,8 @@ class ShardedParam:
         # by replacing ``.data`` get a fresh target per gather instead.
         self.gather_target: torch.Tensor | None = None
         if frees_storage_by_resize:
-            self.gather_target = torch.empty(0, dtype=gather_dtype, device=device).set_(
+            # torch's stubs demand a stride beside the size; the default (contiguous) is what is meant here
+            self.gather_target = torch.empty(0, dtype=gather_dtype, device=device).set_(  # type: ignore[call-overload]
                 self.full.untyped_storage(), 0, (self.storage_numel,))
 
     @property

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -41,6 +42,9 @@ from torch.autograd import Variable
 
 from .engine import Engine
 from .unit import used_flags
+
+if TYPE_CHECKING:  # types only: the core imports nothing of the device layer at run time
+    from xshard.backends import Collectives, Handle
 
 
 @dataclass(eq=False)
@@ -51,7 +55,7 @@ class _Bucket:
     numel: int  # gradient elements; the flags follow them in ``flat``
     offset_of: dict[int, int] = field(default_factory=dict)  # id(param) -> offset in ``flat``
     ready: int = 0
-    handle: object = None
+    handle: Handle | None = None
     flat: torch.Tensor | None = None  # the bucket's buffer, allocated on first use and kept
     all_used_here: bool = True
     arrived: set[int] = field(default_factory=set)
@@ -67,7 +71,7 @@ class _Bucket:
 class ReplicatedEngine(Engine):
     """Bucketed, overlapped gradient all-reduce for a replicated module."""
 
-    def __init__(self, module: nn.Module, collectives, bucket_size_mb: float,
+    def __init__(self, module: nn.Module, collectives: Collectives, bucket_size_mb: float,
                  reduce_dtype: torch.dtype | None) -> None:
         super().__init__()
         self.module = module
@@ -91,7 +95,8 @@ class ReplicatedEngine(Engine):
             h.remove()
         params = [p for p in self._params if p.requires_grad]
         self._signature = tuple(p.requires_grad for p in self._params)
-        self.buckets, current, size = [], [], 0
+        current: list[nn.Parameter] = []
+        self.buckets, size = [], 0
         for p in reversed(params):
             if current and (size + p.numel() * p.element_size() > self.limit or p.dtype != current[0].dtype):
                 self.buckets.append(self._bucket(len(self.buckets), current))
@@ -196,6 +201,7 @@ class ReplicatedEngine(Engine):
         self._next_launch = 0
         with torch.no_grad():
             for bucket in self.buckets:
+                assert bucket.handle is not None and bucket.flat is not None  # every bucket was launched
                 bucket.handle.wait()
                 flat = bucket.flat
                 n = len(bucket.params)

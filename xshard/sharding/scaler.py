@@ -35,7 +35,8 @@ class ShardedGradScaler:
         scaler._collectives = backend.collectives
         return scaler
 
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[no-untyped-def]
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)  # type: ignore[misc]
         # the verdict travels where the scaler keeps its scale: the loss's device, the compute device
         # (also when the gradients themselves are offloaded to the host)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -50,12 +50,12 @@ class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward tells the engine the unit's gradients are done."""
 
     @staticmethod
-    def forward(ctx, callback, *tensors):  # type: ignore[override]
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.callback = callback
         return tensors
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         ctx.callback()
         return (None, *grads)
 
@@ -69,7 +69,7 @@ class ShardedEngine(Engine):
         self.root = units[0]
         self.plan = plan
         self.forward_prefetch = bool(options.forward_prefetch) or not plan.reshard_after_forward.frees
-        self.backward_prefetch = options.backward_prefetch
+        self.backward_prefetch: str | None = options.backward_prefetch
         if self.root.rt.compiles_graphs:  # the compiler orders the fenced gathers (see Runtime.compiles_graphs)
             self.forward_prefetch, self.backward_prefetch = False, None
         self.max_inflight = int(options.max_inflight_all_gathers)
@@ -124,7 +124,8 @@ class ShardedEngine(Engine):
 
     # ------------------------------------------------------------------ forward
     @torch.compiler.disable
-    def _pre_forward(self, unit: Unit, module, args, kwargs):
+    def _pre_forward(self, unit: Unit, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self._summoned:
             return None
         if unit.backward is BackwardState.RUNNING:
@@ -152,7 +153,7 @@ class ShardedEngine(Engine):
         return args, kwargs
 
     @torch.compiler.disable
-    def _post_forward(self, unit: Unit, module, args, output):
+    def _post_forward(self, unit: Unit, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self._summoned or unit.backward is BackwardState.RUNNING:
             return None
         unit.swap_out()

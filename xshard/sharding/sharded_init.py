@@ -115,7 +115,7 @@ class InitRecording:
         if key not in self.storages:
             raise RuntimeError("sharded_init: an operation used a meta tensor created outside the sharded_init "
                                "block; create every tensor of the model inside it (or outside, on a real device)")
-        return _Ref(owner=key, size=tuple(t.shape), stride=tuple(t.stride()), offset=t.storage_offset())
+        return _Ref(owner=key, size=tuple(t.shape), stride=tuple(t.stride()), offset=int(t.storage_offset()))
 
     def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Run aten op ``func`` on the meta tensors, advance the generator as the real op would, record it."""
@@ -180,7 +180,7 @@ class InitRecording:
         target = self.ref(meta)
         owner = self.storages.get(target.owner) if target.index < 0 else None
         needed: set[int] = set()
-        stack = [target.index] if target.index >= 0 else list(owner.writes)
+        stack = [target.index] if owner is None else list(owner.writes)  # ref() found every owner
         if owner is not None and owner.produced_by is not None:
             stack.append(owner.produced_by[0])
         while stack:
@@ -219,6 +219,7 @@ class InitRecording:
         if ref.index >= 0:
             return reals[(ref.index, ref.pos)]
         owner = self.storages[ref.owner]
+        base: torch.Tensor | None
         if owner.produced_by is not None:
             base = reals[owner.produced_by]
         else:
@@ -287,7 +288,8 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.recording = recording
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+                           ) -> Any:
         kwargs = kwargs or {}
         if not any(isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves((args, kwargs))):
             return func(*args, **kwargs)
@@ -350,12 +352,12 @@ def sharded_init() -> Iterator[InitRecording]:
             param = meta
         original(module, name, param)
 
-    nn.Module.register_parameter = register
+    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
     try:
         with _recorded_calls(recording), _Recorder(recording):
             yield recording
     finally:
-        nn.Module.register_parameter = original
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def recording_of(module: nn.Module) -> InitRecording | None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -41,6 +42,9 @@ from .layout import FlatLayout
 from .params import Rebound, ShardedParam
 from .plan import ShardingPlan
 from .wrap import UnitSpec, param_owner_is_norm
+
+if TYPE_CHECKING:  # types only: the core imports nothing of the device layer at run time
+    from xshard.backends import Collectives, Handle
 
 
 class UnitState(enum.Enum):
@@ -63,7 +67,7 @@ class BackwardState(enum.Enum):
 class Runtime:
     """What every unit of one sharded model shares."""
 
-    collectives: object  # the shard group's (the world's without hybrid sharding)
+    collectives: Collectives  # the shard group's (the world's without hybrid sharding)
     rank: int  # in the shard group
     world_size: int  # of the shard group
     device: torch.device  # compute device
@@ -71,9 +75,9 @@ class Runtime:
     plan: ShardingPlan
     frees_storage_by_resize: bool = True
     #: the replica group's collectives (hybrid sharding), None with one replica
-    replicas: object | None = None
+    replicas: Collectives | None = None
     #: the post-forward group's collectives (reshard_after_forward=k), None otherwise
-    post_forward: object | None = None
+    post_forward: Collectives | None = None
     #: Parameters replaced where a device could not take their data in place
     rebound: Rebound = field(default_factory=Rebound)
     #: the backend's optimization barrier (in place; a no-op on eager devices): fences each unit's
@@ -112,7 +116,7 @@ class Unit:
         # own values, so the first forward gathers (ranks agree even without sync_module_states);
         # also set by the optimizer's step hook and by writes behind the version counters
         self.stale = resident
-        self._pending: tuple[object, list[torch.Tensor]] | None = None  # (handle, targets) while GATHERING
+        self._pending: tuple[Handle, list[torch.Tensor]] | None = None  # (handle, targets) while GATHERING
         #: the shards' versions when the post-forward pieces were cut (None: no pieces held)
         self._post_stamp: tuple[int, ...] | None = None
         self.backward = BackwardState.IDLE
@@ -167,12 +171,14 @@ class Unit:
         rt = self.rt
         from_pieces = self._post_forward_current()
         collectives = rt.post_forward if from_pieces else rt.collectives
-        rt.fence([sp.post_forward if from_pieces else sp.padded for sp in self.params] + list(after))
+        assert collectives is not None  # pieces are kept only where there is a post-forward group
+        sources = [sp.post_forward if from_pieces else sp.padded for sp in self.params]
+        rt.fence(cast("list[torch.Tensor]", sources) + list(after))
         targets, inputs = [], []
         with torch.no_grad():
-            for sp in self.params:
+            for sp, source in zip(self.params, sources, strict=True):
                 lay = sp.post_layout if from_pieces else sp.layout
-                source = sp.post_forward if from_pieces else sp.padded
+                assert lay is not None and source is not None  # a current piece has both
                 seg = lay.seg
                 if sp.gather_target is not None:
                     self._alloc(sp)
@@ -242,6 +248,7 @@ class Unit:
         with torch.no_grad():
             for sp in self.params:
                 lay = sp.post_layout
+                assert lay is not None  # pieces are cut only where there is a post-forward group
                 piece = torch.zeros(lay.seg, dtype=sp.gather_dtype, device=self.rt.device)
                 start = lay.start * lay.row_numel
                 piece[: lay.local_numel].copy_(sp.full.detach().reshape(-1)[start:start + lay.local_numel])
@@ -368,7 +375,7 @@ class _PendingGroup:
     """One reduce-scatter of parameters sharing a reduce dtype, and its buffers until it completes."""
 
     params: list[ShardedParam]
-    handle: object
+    handle: Handle
     outs: list[torch.Tensor]  # one reduced shard per parameter, then the flags
     inputs: list[torch.Tensor]  # kept alive until the collective is done with them
     all_used_here: bool  # every parameter had a gradient on this rank: no need to read the flags

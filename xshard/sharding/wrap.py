@@ -126,18 +126,18 @@ def split_into_units(model: nn.Module, options: ShardingOptions) -> list[UnitSpe
                 specs[key].places.append((module, attr))
 
     order = [model] + [m for _, m in model.named_modules() if m in unit_modules]
-    names = {m: n for n, m in model.named_modules()}
+    name_of = {m: n for n, m in model.named_modules()}
     units = []
     for module in order:
         params = [s for k, s in specs.items() if unit_of[k] is module]
         if params or module is model:
-            units.append(UnitSpec(module, names[module], params))
+            units.append(UnitSpec(module, name_of[module], params))
     return units
 
 
 def is_norm(module: nn.Module) -> bool:
     """Normalisation layers (kept in fp32 with keep_norms_fp32): torch's and any class named *Norm."""
-    norm_types = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, nn.LocalResponseNorm)
+    norm_types: tuple[type, ...] = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, nn.LocalResponseNorm)
     rms = getattr(nn, "RMSNorm", None)
     if rms is not None:
         norm_types = (*norm_types, rms)

@@ -33,7 +33,7 @@ import functools
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -42,6 +42,11 @@ from xshard.config import XShardConfigWarning, parse_text
 from xshard.config.fsdp import hf_fsdp_items
 
 from .config import sharding_config
+
+if TYPE_CHECKING:  # the checker reads the mixin's members on the arguments it joins; at run time its base is object
+    from transformers import TrainingArguments as _ArgumentsHost
+else:
+    _ArgumentsHost = object
 
 __all__ = ["TrainingArguments", "TrainingArgumentsMixin", "XShardDistributedState"]
 
@@ -113,13 +118,22 @@ class XShardDistributedState:
                 f"{self.num_processes}, device {self.device})")
 
 
-class TrainingArgumentsMixin:
+class TrainingArgumentsMixin(_ArgumentsHost):
     """Gives any ``transformers.TrainingArguments`` subclass xshard's meaning (see the module docstring).
 
     Put it first: ``class MyConfig(TrainingArgumentsMixin, SFTConfig)``."""
 
     #: what ``sharding_config`` asks to know that the devices are xshard's
     xshard_arguments = True
+
+    if TYPE_CHECKING:  # the stock arguments this mixin rewrites (declared for the checker only)
+        deepspeed: Any
+        fsdp: Any
+        warmup_steps: Any
+        eval_strategy: Any
+        bf16: bool
+        fp16: bool
+        bf16_full_eval: bool
 
     def __post_init__(self) -> None:
         self._rename_transformers4_arguments()
@@ -131,7 +145,7 @@ class TrainingArgumentsMixin:
         if words is not None:
             self.fsdp = True
         try:
-            super().__post_init__()  # type: ignore[misc]
+            super().__post_init__()
         finally:
             # as the user gave them: a copy (dataclasses.replace) reads them again
             self.deepspeed, self.fsdp = deepspeed, fsdp
@@ -167,7 +181,7 @@ class TrainingArgumentsMixin:
         bf16, bf16_full_eval = self.bf16, self.bf16_full_eval
         self.bf16 = self.bf16_full_eval = False
         try:
-            super()._validate_args()  # type: ignore[misc]
+            super()._validate_args()
         finally:
             self.bf16, self.bf16_full_eval = bf16, bf16_full_eval
 

@@ -60,7 +60,7 @@ def load_job_state(job: JobState, folder: str | os.PathLike, scheduler: Any) -> 
     job.step, job.micro_step = view.step, view.micro_step
 
 
-def load_model_weights(model: Any, folder: str | os.PathLike) -> None:
+def load_model_weights(model: Any, folder: str | os.PathLike[str]) -> None:
     """Load only the model weights of the checkpoint in ``folder`` into the prepared ``model`` (each rank
     keeps its rows); used for ``load_best_model_at_end``."""
     model.load_full_state_dict(consolidated_state_dict(folder))

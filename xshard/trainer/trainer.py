@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -37,6 +37,11 @@ from transformers.trainer import TRAINING_ARGS_NAME
 
 from . import checkpoints
 from .runtime import bind_arguments, build_accelerator
+
+if TYPE_CHECKING:  # the checker reads the mixin's members on the Trainer it joins; at run time its base is object
+    from transformers import Trainer as _TrainerHost
+else:
+    _TrainerHost = object
 
 __all__ = ["Trainer", "TrainerMixin"]
 
@@ -73,7 +78,7 @@ def _xla_fsdp_flag() -> property:
     return property(get, set_, doc=get.__doc__)
 
 
-class TrainerMixin:
+class TrainerMixin(_TrainerHost):
     """Runs a ``transformers.Trainer`` (or a subclass) on xshard: put it first in the bases."""
 
     is_deepspeed_enabled = _always_false("is_deepspeed_enabled")
