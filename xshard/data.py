@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
@@ -334,7 +334,7 @@ def shard_data_loader(
             "shard it yourself and pass it to accelerator.prepare_data_loader(loader, shard=False)"
         )
     if isinstance(loader.sampler, RandomSampler) and (
-        loader.sampler.replacement or loader.sampler.num_samples != len(loader.dataset)
+        loader.sampler.replacement or loader.sampler.num_samples != len(cast(Sized, loader.dataset))
     ):
         raise ValueError(
             "prepare() cannot shard a RandomSampler with replacement=True or num_samples set: use "
@@ -349,7 +349,7 @@ def shard_data_loader(
             )
         batch_size //= num_replicas
     sampler = ShardSampler(
-        len(loader.dataset), num_replicas=num_replicas, rank=rank,
+        len(cast(Sized, loader.dataset)), num_replicas=num_replicas, rank=rank,
         shuffle=isinstance(loader.sampler, RandomSampler), seed=seed, drop_last=loader.drop_last,
     )
     return ShardedDataLoader(_rebuild(loader, sampler, batch_size, pad_to_multiple_of), device, sampler, wrap,

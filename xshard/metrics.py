@@ -26,7 +26,7 @@ import contextlib
 import math
 import pickle
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -164,6 +164,6 @@ def split_between_processes(inputs: Any, rank: int, world_size: int, apply_paddi
         lengths = {len(v) for v in inputs.values()}
         if len(lengths) > 1:
             raise ValueError("split_between_processes: every value of the dict must have the same length")
-        yield type(inputs)({k: share(v) for k, v in inputs.items()})
+        yield cast(Any, type(inputs))({k: share(v) for k, v in inputs.items()})
     else:
         yield share(inputs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -26,7 +26,7 @@ def map_leaves(tree: Any, fn: Callable[[Any], Any]) -> Any:
         if isinstance(tree, defaultdict):
             return type(tree)(tree.default_factory, mapped)
         try:
-            return type(tree)(mapped)  # keeps dict subclasses: HF BatchEncoding, ModelOutput, OrderedDict
+            return cast(Any, type(tree))(mapped)  # keeps dict subclasses: HF BatchEncoding, ModelOutput, OrderedDict
         except TypeError:
             return mapped
     if isinstance(tree, (list, tuple)):
