@@ -91,8 +91,3 @@ def torch_dtype(name: str | None) -> Any:
     import torch
 
     return getattr(torch, attribute)
-
-
-def name_of_dtype(dtype: Any) -> str:
-    """The mixed-precision name of a torch dtype ("no" for None and float32)."""
-    return parse_mixed_precision("dtype", None if dtype is None else str(dtype))
