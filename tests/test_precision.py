@@ -180,3 +180,23 @@ def test_fp8_says_it_is_not_supported(clean_env):
         XShardConfig(mixed_precision="fp8")
     with pytest.raises(LaunchError, match=r"fp8 is not supported by xshard; use no, bf16 or fp16"):
         _mixed_precision("FP8")
+
+
+def test_the_fp16_scale_is_saved_and_restored_with_the_state(clean_env, tmp_path):
+    import xshard
+
+    acc = xshard.Accelerator(config={"stage": 0, "mixed_precision": "fp16"}, seed=0)
+    model = _model()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.scaler.load_state_dict({"scale": 64.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                "growth_interval": 2000, "_growth_tracker": 0})
+    x, y = _batches()[0]
+    with acc.accumulate(model):
+        acc.backward(_loss(model, x, y, overflow=True))  # the skipped step halves the scale: 32
+        opt.step()
+        opt.zero_grad()
+    acc.save_state(str(tmp_path / "state"))
+    acc.scaler.update(1024.0)
+    acc.load_state(str(tmp_path / "state"))
+    assert acc.scaler.get_scale() == 32.0
+    acc.end()
