@@ -53,10 +53,12 @@ from . import grads, metrics, project, saving, tracking
 from .backends import Backend, select
 from .checkpoint import auto_resume
 from .config.accelerate_args import AccelerateSettings, config_origin, read_accelerate_args
+from .config.precision import MIXED_PRECISION
 from .data import ShardedDataLoader, shard_data_loader
 from .job import JobState
 from .launch_marker import mark_accelerator_built
 from .log import get_logger, progress, setup_logging, use_barrier
+from .precision import Precision
 from .prepared import PreparedOptimizer, PreparedScheduler
 from .rebind import StaleParameterGuard, rebind_optimizer
 from .state import (
@@ -68,9 +70,6 @@ from .state import (
 )
 
 log = get_logger("xshard.accelerator")
-
-_MIXED_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def _load_config(config: Any, overrides: dict[str, Any], script_args: dict[str, Any] | None = None) -> Any:
     from .config import XShardConfig
@@ -153,7 +152,9 @@ class Accelerator:
             gradient_accumulation_steps=int(self.config.gradient_accumulation_steps),
             gradient_clipping=float(self.config.gradient_clipping or 0.0),
         )
-        self._use_precision(self.config.mixed_precision)  # validated by the config: no, bf16 or fp16
+        self._scaler_settings = dict(compat.scaler_kwargs)  # GradScalerKwargs
+        #: the job's mixed precision: dtypes, autocast, backward and the fp16 scaler (``xshard.precision``)
+        self.precision: Precision = self._choose_precision(self.config.mixed_precision)
         self._ended = False
         self._token = uuid.uuid4().hex
         _LIVE[self._token] = self
@@ -196,7 +197,7 @@ class Accelerator:
     @property
     def mixed_precision(self) -> str:
         """The mixed precision of the job: "no", "bf16" or "fp16"."""
-        return self._mixed_precision
+        return self.precision.name
 
     @mixed_precision.setter
     def mixed_precision(self, value: str) -> None:
@@ -204,28 +205,27 @@ class Accelerator:
         ``supports`` says the device cannot compute in the one the config asks for)."""
         if self.job.models:
             raise ValueError("mixed_precision can only change before the first prepare(model): the prepared "
-                             "model already computes in " + repr(self._mixed_precision))
-        self._use_precision(value)
+                             "model already computes in " + repr(self.precision.name))
+        self.precision = self._choose_precision(value)
 
     def supports(self, precision: str | torch.dtype) -> bool:
         """Can this process's device compute in ``precision`` ("no", "bf16", "fp16" or a torch dtype)?
 
         Asked on the device this process is bound to (never by starting a runtime elsewhere).
         """
-        dtype = precision if isinstance(precision, torch.dtype) else _MIXED_DTYPES[_precision_name(precision)]
-        return dtype is None or dtype == torch.float32 or self.backend.supports(dtype)
+        return Precision.supported(self.backend, precision)
 
-    def _use_precision(self, value: str) -> None:
-        name = _precision_name(value)
-        dtype = _MIXED_DTYPES[name]
-        if not self.supports(name):
-            usable = [n for n in _MIXED_DTYPES if self.supports(n)]
-            raise ValueError(f"mixed_precision={value!r}: the {self.backend.name} backend cannot compute in {dtype} "
-                             f"on this device; use one of: {', '.join(usable)} (Accelerator.supports tells which)")
-        self._mixed_precision = name
-        self.config.mixed_precision = name
-        self.compute_dtype: torch.dtype | None = dtype
-        self.job.scaler = self._make_scaler() if name == "fp16" else None
+    def _choose_precision(self, value: Any) -> Precision:
+        """The Precision ``value`` names, recorded in the config and the job (one owner: see ``xshard.precision``)."""
+        precision = Precision.choose(value, self.backend, self._scaler_settings)
+        self.config.mixed_precision = precision.name
+        self.job.precision = precision
+        return precision
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype the forward computes in under autocast (None for "no")."""
+        return self.precision.compute_dtype
 
     @property
     def pad_to_multiple_of(self) -> int | None:
@@ -254,7 +254,7 @@ class Accelerator:
     @property
     def scaler(self) -> Any:
         """The fp16 grad scaler (None unless mixed_precision is fp16)."""
-        return self.job.scaler
+        return self.precision.scaler
 
     # ------------------------------------------------------------------ setup helpers
     def _seed_everything(self, seed: int) -> None:
@@ -266,11 +266,6 @@ class Accelerator:
         except ImportError:
             pass
         self.backend.manual_seed(seed)
-
-    def _make_scaler(self) -> Any:
-        from .sharding import ShardedGradScaler
-
-        return ShardedGradScaler.for_backend(self.backend)
 
     def sharded_init(self) -> contextlib.AbstractContextManager[Any]:
         """Build a model in code without holding it whole: ``with accelerator.sharded_init(): model =
@@ -302,7 +297,7 @@ class Accelerator:
 
         opts = self.config.to_sharding_options()
         if opts.param_dtype is not None:
-            opts.output_dtype = torch.float32
+            opts.output_dtype = self.precision.output_dtype
         to_load = model is not None and recording_of(model) is None and any(p.is_meta for p in model.parameters())
         if self.world_size > 1 and not to_load:
             opts.sync_module_states = True
@@ -419,10 +414,7 @@ class Accelerator:
         """``loss.backward()``, divided over the accumulation window and scaled for fp16."""
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward(**kwargs)
-        else:
-            loss.backward(**kwargs)
+        self.precision.backward(loss, **kwargs)
 
     def autocast(self, autocast_handler: Any = None) -> contextlib.AbstractContextManager:
         """The backend's autocast in the config's mixed-precision dtype (nothing for "no").
@@ -431,7 +423,7 @@ class Accelerator:
         (default: the one given in ``kwargs_handlers``).
         """
         enabled = self._autocast_enabled if autocast_handler is None else bool(autocast_handler.enabled)
-        return self.backend.autocast(self.compute_dtype, enabled=enabled and self.compute_dtype is not None)
+        return self.precision.autocast(enabled)
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.nn.Parameter] | torch.Tensor, max_norm: float, norm_type: float = 2.0
@@ -542,9 +534,10 @@ class Accelerator:
         from .config.auto import LATER
 
         values = dict(compat.script_args)
-        precision = str(compat.overrides.get("mixed_precision", "no")).lower()
-        values.setdefault("bf16", precision in ("bf16", "bfloat16"))
-        values.setdefault("fp16", precision in ("fp16", "float16"))
+        # an unknown spelling is the config's error to report (it reads the same value): neither here
+        precision = MIXED_PRECISION.get(str(compat.overrides.get("mixed_precision", "no")).strip().lower())
+        values.setdefault("bf16", precision == "bf16")
+        values.setdefault("fp16", precision == "fp16")
         values.setdefault("max_grad_norm", float(os.environ.get("ACCELERATE_GRADIENT_CLIPPING", 1.0)))
         values["per_device_train_batch_size"] = LATER
         return values
@@ -563,10 +556,6 @@ class Accelerator:
         self._tracker_choice = tracking.resolve(compat.log_with, self.logging_dir)
         #: the running trackers (main process; after ``init_trackers``)
         self.trackers: list[Any] = []
-        if compat.scaler_kwargs and job.scaler is not None:
-            from .sharding import ShardedGradScaler
-
-            job.scaler = ShardedGradScaler.for_backend(self.backend, **compat.scaler_kwargs)
         if ds_config is not None:
             from .config.auto import resolve_auto
 
@@ -1036,16 +1025,6 @@ def _accelerator_of_this_process(token: str) -> Accelerator:
                            "the values the code needs (accelerator.process_index, num_processes, device ...) "
                            "instead of the Accelerator")
     return found
-
-
-def _precision_name(value: str) -> str:
-    """"no", "bf16" or "fp16" from any spelling the config accepts ("fp32", "bfloat16", ...)."""
-    from .config.schema import PRECISION
-
-    name = PRECISION.get(str(value).strip().lower()) if isinstance(value, str) else None
-    if name is None:
-        raise ValueError(f"mixed_precision={value!r} is not valid: use one of no, bf16, fp16")
-    return name
 
 
 def _owns(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:

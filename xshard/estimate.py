@@ -74,8 +74,9 @@ class EstimateError(XShardError, ValueError):
 
 
 @dataclass(frozen=True)
-class Precision:
-    """Bytes per parameter of each model state, and per activation element, for one training dtype."""
+class StateBytes:
+    """Bytes per parameter of each model state, and per activation element, for one training dtype
+    (what the estimate needs of a precision; the job's precision itself is ``xshard.precision.Precision``)."""
 
     name: str
     param_bytes: int
@@ -85,9 +86,9 @@ class Precision:
 
 
 PRECISIONS = {
-    "bf16": Precision("bf16", 2, 2, 12, 2),
-    "fp16": Precision("fp16", 2, 2, 12, 2),
-    "fp32": Precision("fp32", 4, 4, 8, 4),
+    "bf16": StateBytes("bf16", 2, 2, 12, 2),
+    "fp16": StateBytes("fp16", 2, 2, 12, 2),
+    "fp32": StateBytes("fp32", 4, 4, 8, 4),
 }
 
 
@@ -281,7 +282,7 @@ def _grads_sharded(plan: ShardingPlan) -> bool:
     return plan.grad_reduction is GradReduction.REDUCE_SCATTER and plan.reduce_timing is ReduceTiming.AS_READY
 
 
-def model_state_bytes(psi: float, nproc: int, stage: int, precision: Precision) -> tuple[float, float, float]:
+def model_state_bytes(psi: float, nproc: int, stage: int, precision: StateBytes) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer states) bytes per device: the ZeRO paper's formulas."""
     p, g, k = psi * precision.param_bytes, psi * precision.grad_bytes, psi * precision.optimizer_bytes
     plan = _plan(stage)
@@ -289,7 +290,7 @@ def model_state_bytes(psi: float, nproc: int, stage: int, precision: Precision) 
             k / nproc if plan.shard_parameters else k)
 
 
-def activation_bytes(size: ModelSize, micro_batch: int, seq_len: int, precision: Precision,
+def activation_bytes(size: ModelSize, micro_batch: int, seq_len: int, precision: StateBytes,
                      grad_ckpt: bool = False, attention: str = "sdpa") -> float:
     """Activations kept for the backward of one micro-batch (see the module docstring for the terms)."""
     if attention not in ("sdpa", "eager"):

@@ -32,7 +32,8 @@ class JobState:
         gradient_accumulation_steps: micro-steps per optimizer step.
         gradient_clipping: max global gradient norm applied at each step when the loop did not
             clip itself (0: none).
-        scaler: the fp16 grad scaler, or None.
+        precision: the job's ``xshard.precision.Precision`` (autocast, backward, unscaling, the step);
+            ``scaler`` is its fp16 grad scaler, or None.
         models, optimizers, schedulers, loaders: what ``prepare`` returned, in preparation order.
         step: real optimizer steps taken (saved in checkpoints).
         micro_step: micro-steps done in the current accumulation window.
@@ -49,7 +50,7 @@ class JobState:
     config: Any
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0
-    scaler: Any = None
+    precision: Any = None
     models: list[Any] = field(default_factory=list)
     optimizers: list[Any] = field(default_factory=list)
     schedulers: list[Any] = field(default_factory=list)
@@ -68,6 +69,11 @@ class JobState:
     split_batches: bool = False
     step_scheduler_with_optimizer: bool = True
     custom_objects: list[Any] = field(default_factory=list)
+
+    @property
+    def scaler(self) -> Any:
+        """The fp16 grad scaler of the job's precision, or None (what checkpoints save and restore)."""
+        return None if self.precision is None else self.precision.scaler
 
     # ------------------------------------------------------------------ the world
     @property

@@ -7,6 +7,8 @@ Imports nothing (``import xshard`` stays light).
 
 from __future__ import annotations
 
+# the names are xshard.config.precision's MIXED_PRECISION_NAMES (not imported: this module imports nothing)
+_FP8 = "fp8 is not supported: mixed_precision is 'no', 'bf16' or 'fp16'"
 _PARALLELISM = "xshard has data parallelism (sharded or not) only: the data-parallel rank is accelerator.process_index"
 
 #: members of Accelerate's ``Accelerator`` -> xshard's way ("" where there is none)
@@ -23,14 +25,14 @@ ACCELERATOR_MEMBERS: dict[str, str] = {
     "deepspeed_engine_wrapped": "xshard runs no DeepSpeed engine: the prepared model and optimizer are the engine",
     "deepspeed_ulysses_dl_adapter": "xshard has no sequence parallelism",
     "maybe_context_parallel": "xshard has no context parallelism",
-    "fp8_backend": "fp8 is not supported: mixed_precision is 'no', 'bf16' or 'fp16'",
-    "fp8_enabled": "fp8 is not supported: mixed_precision is 'no', 'bf16' or 'fp16'",
-    "fp8_recipe_handler": "fp8 is not supported: mixed_precision is 'no', 'bf16' or 'fp16'",
-    "te_recipe_handler": "fp8 is not supported: mixed_precision is 'no', 'bf16' or 'fp16'",
-    "ao_recipe_handler": "fp8 is not supported: mixed_precision is 'no', 'bf16' or 'fp16'",
-    "msamp_recipe_handler": "fp8 is not supported: mixed_precision is 'no', 'bf16' or 'fp16'",
-    "has_fp8_handler": "fp8 is not supported: mixed_precision is 'no', 'bf16' or 'fp16'",
-    "delayed_fp8_autocast": "fp8 is not supported: mixed_precision is 'no', 'bf16' or 'fp16'",
+    "fp8_backend": _FP8,
+    "fp8_enabled": _FP8,
+    "fp8_recipe_handler": _FP8,
+    "te_recipe_handler": _FP8,
+    "ao_recipe_handler": _FP8,
+    "msamp_recipe_handler": _FP8,
+    "has_fp8_handler": _FP8,
+    "delayed_fp8_autocast": _FP8,
     "parallelism_config": _PARALLELISM,
     "torch_device_mesh": "xshard's sharding groups are internal; the config's shard_group_size sets hybrid sharding",
     "is_composable_parallelism_enabled": _PARALLELISM,

@@ -112,9 +112,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def unscale(self) -> None:
         """Divide the fp16 gradients by the loss scale (once per step; before clipping)."""
-        scaler = self.job.scaler
-        if scaler is not None and not self._unscaled:
-            scaler.unscale_(self._stepper)
+        if self.job.scaler is not None and not self._unscaled:
+            self.job.precision.unscale(self._stepper)
             self._unscaled = True
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]  # a closure is refused, so no loss is returned
@@ -127,17 +126,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
             return
         if job.gradient_clipping > 0 and not job.clipped and self.model is not None:
             job.clip_grad_norm_(self.model.parameters(), job.gradient_clipping)
-        scaler = job.scaler
-        if scaler is None:
-            job.backend.optimizer_step(self.optimizer)
-            self.stepped = True
-        else:
-            before = scaler.get_scale()
-            scaler.step(self._stepper)
-            scaler.update()
-            # The scale only shrinks when the step was skipped for inf/nan gradients.
-            self.stepped = scaler.get_scale() >= before
-            self._unscaled = False
+        # the precision steps through the backend, and for fp16 through the scaler (skipped on inf/nan)
+        self.stepped = job.precision.step(self._stepper)
+        self._unscaled = False
         self.step_was_skipped = not self.stepped
         job.finish_optimizer_step()
 

@@ -42,7 +42,6 @@ from xshard.cli.launch_cluster import with_cluster_defaults
 
 CONFIG_ENV = "XSHARD_CONFIG"
 MIXED_PRECISION_ENV = "XSHARD_MIXED_PRECISION"
-MIXED_PRECISIONS = ("no", "fp16", "bf16")
 
 __all__ = ["LaunchError", "LaunchOptions", "LaunchPlan", "launch", "launch_options", "plan_launch", "run_plan"]
 
@@ -157,12 +156,23 @@ def _check_counts(opts: LaunchOptions) -> None:
 
 
 def _mixed_precision(value: str) -> str:
-    key = value.strip().lower()
-    if key == "fp8":
-        raise LaunchError("--mixed_precision fp8 is not supported by xshard; use no, bf16 or fp16")
-    if key not in MIXED_PRECISIONS:
-        raise LaunchError(f"--mixed_precision {value!r}: use one of {', '.join(MIXED_PRECISIONS)}")
-    return key
+    """The canonical name of ``--mixed_precision`` (the config's spellings), or a LaunchError saying the fix."""
+    from xshard.config.precision import (
+        ACCELERATE_ORDER,
+        MIXED_PRECISION_NAMES,
+        not_supported_reason,
+        parse_mixed_precision,
+    )
+    from xshard.config.values import XShardConfigError
+
+    try:
+        return parse_mixed_precision("--mixed_precision", value)
+    except XShardConfigError:
+        reason = not_supported_reason(value)
+        if reason is not None:
+            names = ", ".join(MIXED_PRECISION_NAMES[:-1]) + " or " + MIXED_PRECISION_NAMES[-1]
+            raise LaunchError(f"--mixed_precision {value.strip()}: {reason}; use {names}") from None
+        raise LaunchError(f"--mixed_precision {value!r}: use one of {', '.join(ACCELERATE_ORDER)}") from None
 
 
 def _with_config_defaults(opts: LaunchOptions, env: Mapping[str, str]) -> LaunchOptions:

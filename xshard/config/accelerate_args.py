@@ -31,6 +31,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from .precision import MIXED_PRECISION
 from .values import Reading, parse_bool, parse_choice, parse_float, parse_int, parse_stage
 
 #: Accelerate's constructor arguments (taken out of ``**kwargs``; the rest are xshard config fields)
@@ -217,10 +218,8 @@ def _fsdp_plugin(plugin: Any, out: AccelerateSettings) -> None:
     policy = getattr(plugin, "mixed_precision_policy", None)
     if policy is not None:
         dtype = policy.get("param_dtype") if isinstance(policy, Mapping) else getattr(policy, "param_dtype", None)
-        names = {"torch.bfloat16": "bf16", "bf16": "bf16", "torch.float16": "fp16", "fp16": "fp16",
-                 "torch.float32": "no", "fp32": "no"}
-        if str(dtype) in names:
-            out.overrides.setdefault("mixed_precision", names[str(dtype)])
+        if str(dtype).lower() in MIXED_PRECISION:
+            out.overrides.setdefault("mixed_precision", MIXED_PRECISION[str(dtype).lower()])
     if "stage" not in out.overrides:
         out.overrides["stage"] = 3  # FSDP's default strategy: FULL_SHARD
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from xshard.config.precision import DEEPSPEED_SECTIONS, parse_dtype
 from xshard.config.values import (
     Reading,
     XShardConfigError,
@@ -33,7 +34,6 @@ from xshard.config.values import (
     harmless,
     parse_bool,
     parse_choice,
-    parse_dtype,
     parse_float,
     parse_int,
     parse_section,
@@ -121,7 +121,7 @@ def _zero(reading: Reading, where: str, value: Any) -> None:
 def _precision(reading: Reading, key: str, value: Any) -> None:
     section = _mapping(key, value)
     enabled = parse_bool(f"{key}.enabled", section.get("enabled", False))
-    name = "fp16" if key == "fp16" else "bf16"
+    name = DEEPSPEED_SECTIONS[key]
     if enabled:
         reading.set("mixed_precision", name, f"{key}.enabled")
     for sub, item in section.items():
@@ -179,7 +179,7 @@ def read_deepspeed(data: Mapping[str, Any], reading: Reading, world_size: int | 
     for key, value in data.items():
         if key == "zero_optimization":
             _zero(reading, key, value)
-        elif key in ("bf16", "bfloat16", "fp16"):
+        elif key in DEEPSPEED_SECTIONS:
             _precision(reading, key, value)
         elif key in ("optimizer", "scheduler"):
             section = parse_section(key, value)

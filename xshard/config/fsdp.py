@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from xshard.config.precision import parse_dtype, parse_mixed_precision
 from xshard.config.values import (
     Reading,
     XShardConfigError,
@@ -33,7 +34,6 @@ from xshard.config.values import (
     harmless,
     parse_bool,
     parse_choice,
-    parse_dtype,
     parse_float,
     parse_int,
     parse_names,
@@ -234,12 +234,7 @@ def read_accelerate(data: Mapping[str, Any], reading: Reading,
         elif key == "deepspeed_config" and kind == "DEEPSPEED":
             _accelerate_deepspeed(reading, value, read_ds_file)
         elif key == "mixed_precision":
-            precision = "no" if value is False or value is None else value
-            if isinstance(precision, str) and precision.strip().lower() == "fp8":
-                raise XShardConfigError("mixed_precision: 'fp8' is not supported by xshard; use no, bf16 or fp16",
-                                        ("mixed_precision",))
-            reading.set("mixed_precision", parse_choice(key, precision, {"no": "no", "bf16": "bf16",
-                                                                          "fp16": "fp16"}), key)
+            reading.set("mixed_precision", parse_mixed_precision(key, value), key)
         elif key == "num_processes":
             processes = parse_int(key, value, 1)
             if processes % machines:

@@ -40,6 +40,7 @@ from xshard.config.auto import ScriptArgs, resolve_auto
 from xshard.config.deepspeed import MARKERS as DS_MARKERS
 from xshard.config.deepspeed import read_deepspeed
 from xshard.config.fsdp import ACCELERATE_MARKERS, PREFETCH, STATE_DICT, WRAP, read_accelerate, read_hf_fsdp
+from xshard.config.precision import parse_dtype, parse_mixed_precision, torch_dtype
 from xshard.config.values import (
     Reading,
     XShardConfigError,
@@ -48,7 +49,6 @@ from xshard.config.values import (
     is_auto,
     parse_bool,
     parse_choice,
-    parse_dtype,
     parse_float,
     parse_group_size,
     parse_int,
@@ -64,10 +64,7 @@ __all__ = ["XShardConfig", "XShardConfigError", "XShardConfigWarning"]
 
 ENV_PREFIX = "XSHARD_"
 ALIASES = {"xla_fsdp_grad_ckpt": "activation_checkpointing"}
-PRECISION = {"no": "no", "fp32": "no", "float32": "no", "bf16": "bf16", "bfloat16": "bf16",
-             "fp16": "fp16", "float16": "fp16"}
 LOG_LEVELS = {name: name for name in ("debug", "info", "warning", "error", "critical")}
-_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -243,12 +240,7 @@ class XShardConfig:
 
     def to_sharding_options(self) -> Any:
         """The sharded core's `xshard.sharding.ShardingOptions` for this config."""
-        import torch
-
         from xshard.sharding import ShardingOptions
-
-        def dtype(name: str | None) -> torch.dtype | None:
-            return None if name is None else getattr(torch, _TORCH_DTYPES[name])
 
         return ShardingOptions(
             stage=self.stage, shard_group_size=self.shard_group_size,
@@ -256,8 +248,7 @@ class XShardConfig:
             transformer_layer_cls_to_wrap=list(self.transformer_layer_cls_to_wrap or []) or None,
             min_num_params=self.min_num_params, backward_prefetch=self.backward_prefetch,
             forward_prefetch=self.forward_prefetch, max_inflight_all_gathers=self.max_inflight_all_gathers,
-            param_dtype=dtype(None if self.mixed_precision == "no" else self.mixed_precision),
-            reduce_dtype=dtype(self.reduce_dtype), buffer_dtype=None, keep_norms_fp32=self.keep_norms_fp32,
+            param_dtype=torch_dtype(self.mixed_precision), reduce_dtype=torch_dtype(self.reduce_dtype), buffer_dtype=None, keep_norms_fp32=self.keep_norms_fp32,
             offload_params=self.offload_params, offload_optimizer=self.offload_optimizer,
             activation_checkpointing=self.activation_checkpointing, sync_module_states=self.sync_module_states,
             bucket_size_mb=self.bucket_size_mb,
@@ -306,7 +297,7 @@ _NORMALISERS: dict[str, Any] = {
     "min_num_params": _positive,
     "backward_prefetch": _choice(PREFETCH, none="none"),
     "max_inflight_all_gathers": _positive,
-    "mixed_precision": _choice(PRECISION, none="no"),
+    "mixed_precision": parse_mixed_precision,
     "reduce_dtype": parse_dtype,
     "state_dict_type": _choice(STATE_DICT),
     "bucket_size_mb": lambda w, v: parse_float(w, v, 0.0, strict=True),

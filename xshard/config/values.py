@@ -178,21 +178,6 @@ def parse_reshard(where: str, value: Any) -> bool | int | None:
                    "group size)", ("reshard_after_forward",)) from None
 
 
-#: dtype spellings -> the names xshard stores ("fp32", "bf16", "fp16")
-DTYPE_NAMES = {
-    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
-    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
-}
-
-
-def parse_dtype(where: str, value: Any) -> str | None:
-    """A floating dtype name (fp32, bf16, fp16; torch spellings accepted) or None."""
-    if value is None:
-        return None
-    return parse_choice(where, value, DTYPE_NAMES)
-
-
 def parse_names(where: str, value: Any) -> list[str] | None:
     """A list of class names, from a list or a comma-separated string; None or empty means None."""
     if value is None:

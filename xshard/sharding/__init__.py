@@ -19,9 +19,9 @@ on every backend. Files, one job each:
 
 from .model import ShardedModel, ShardedParamView, shard_model
 from .options import ShardingOptions, normalise_stage
-from .plan import GradReduction, Precision, ReduceTiming, ReshardAfterForward, ShardingPlan
+from .plan import GradReduction, PrecisionPolicy, ReduceTiming, ReshardAfterForward, ShardingPlan
 from .scaler import ShardedGradScaler
 from .sharded_init import sharded_init
 
-__all__ = ["GradReduction", "Precision", "ReduceTiming", "ShardedGradScaler", "ShardedModel", "ShardedParamView",
+__all__ = ["GradReduction", "PrecisionPolicy", "ReduceTiming", "ShardedGradScaler", "ShardedModel", "ShardedParamView",
            "ReshardAfterForward", "ShardingOptions", "ShardingPlan", "normalise_stage", "shard_model", "sharded_init"]

@@ -56,8 +56,11 @@ class ReduceTiming(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Precision:
-    """Mixed-precision policy.
+class PrecisionPolicy:
+    """The sharded core's mixed-precision policy: which dtype each tensor takes (built from the options).
+
+    The job's precision (its name, autocast, backward and the fp16 scaler) is ``xshard.precision.Precision``,
+    outside the core; it sets ``output_dtype`` through the options.
 
     param_dtype: dtype of the full compute copies (stages 1-3) and of autocast; None: the model's.
     reduce_dtype: dtype gradients are reduced in; None: param_dtype (else the gradient's own).
@@ -124,7 +127,7 @@ class ShardingPlan:
     grad_reduction: GradReduction
     reduce_timing: ReduceTiming
     offload: bool
-    precision: Precision
+    precision: PrecisionPolicy
 
     @property
     def replicas(self) -> int:
@@ -157,7 +160,7 @@ class ShardingPlan:
         """The plan for ``options`` on ``world_size`` ranks, ``local_world_size`` per node (the only
         place that reads ``options.stage``)."""
         stage = int(options.stage)
-        precision = Precision(
+        precision = PrecisionPolicy(
             param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype, buffer_dtype=options.buffer_dtype,
             output_dtype=options.output_dtype, autocast=options.autocast, keep_norms_fp32=options.keep_norms_fp32,
         )

@@ -40,6 +40,7 @@ import transformers
 
 from xshard.config import XShardConfigWarning, parse_text
 from xshard.config.fsdp import hf_fsdp_items
+from xshard.config.precision import torch_dtype
 
 from .config import sharding_config
 
@@ -49,8 +50,6 @@ else:
     _ArgumentsHost = object
 
 __all__ = ["TrainingArguments", "TrainingArgumentsMixin", "XShardDistributedState"]
-
-_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _torch_has_accelerator() -> bool:
@@ -190,12 +189,12 @@ class TrainingArgumentsMixin(_ArgumentsHost):
         self.xshard_precision_fallback = None
         wanted = "bf16" if self.bf16 else "fp16" if self.fp16 else None
         backend = self.distributed_state.backend
-        if wanted is None or backend.supports(_PRECISION_DTYPES[wanted]):
+        if wanted is None or backend.supports(torch_dtype(wanted)):
             return
         if backend.world.rank == 0:
             hint = " (--fp16 gives mixed precision here)" if wanted == "bf16" and backend.supports(torch.float16) else ""
             warnings.warn(f"--{wanted} was asked for, but the {backend.name} backend cannot compute in "
-                          f"{_PRECISION_DTYPES[wanted]} on {backend.device()}: training in fp32 instead{hint}",
+                          f"{torch_dtype(wanted)} on {backend.device()}: training in fp32 instead{hint}",
                           XShardConfigWarning, stacklevel=4)
         self.xshard_precision_fallback = wanted
         self.bf16 = self.fp16 = False
