@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_workers
 from fakes.npu import install_fake_torch_npu
 from packaging.requirements import Requirement
+from support.distributed import run_workers
 from xshard.backends import (
     BackendUnavailableError,
     World,

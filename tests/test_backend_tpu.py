@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_workers
 from fakes.tpu import install_fake_torch_tpu
+from support.distributed import run_workers
 from xshard.backends import BackendUnavailableError, World, backend_class, select
 from xshard.backends.launchers import LaunchError, LaunchRequest
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import free_port
+from support.distributed import free_port
 from xshard.backends import World
 
 from xshard.cli.env_check import run_checks

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_workers
+from support.distributed import run_workers
 from torch import nn
 
 pytestmark = pytest.mark.multiprocess
@@ -183,7 +183,7 @@ def _bn_train(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
 
 
 def _buffers_worker(rank: int, world: int) -> dict:
-    from sharding_harness import init_backend
+    from support.sharding_harness import init_backend
     from torch.nn.parallel import DistributedDataParallel
 
     from xshard.sharding import ShardingOptions, shard_model
@@ -225,7 +225,7 @@ class Branchy(nn.Module):
 
 
 def _divergent_worker(rank: int, world: int, stage: int) -> dict:
-    from sharding_harness import init_backend
+    from support.sharding_harness import init_backend
     from xshard.backends.errors import CollectiveMismatchError
 
     from xshard.sharding import ShardingOptions, shard_model
@@ -259,7 +259,7 @@ def test_ranks_running_different_units_get_a_clear_error(stage: int) -> None:
 
 
 def _ddp_branchy(rank: int, world: int) -> dict:
-    from sharding_harness import init_backend
+    from support.sharding_harness import init_backend
     from torch.nn.parallel import DistributedDataParallel
 
     backend = init_backend()

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_workers
-from models import TinyLM, batch, make_qwen2
-from sharding_harness import assert_matches, build, case, init_backend, reference, run_cases
+from support.distributed import run_workers
+from support.models import TinyLM, batch, make_qwen2
+from support.sharding_harness import assert_matches, build, case, init_backend, reference, run_cases
 from torch import nn
 from xshard.backends import get_backend
 

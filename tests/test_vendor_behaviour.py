@@ -22,7 +22,7 @@ import zipfile
 import pytest
 import torch
 import torch.distributed as dist
-from vendor_sources import WheelSources, npu_wheel_path, tpu_wheel_path
+from support.vendor_sources import WheelSources, npu_wheel_path, tpu_wheel_path
 from xshard.backends import World, backend_class
 from xshard.backends import collectives as collectives_module
 from xshard.backends.collectives import DistCollectives

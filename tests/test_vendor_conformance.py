@@ -7,7 +7,7 @@ against the real releases xshard supports, without the hardware.
   The CPU build has the same Python sources for ``torch.cuda`` and ``torch.mps`` as the GPU and Mac builds.
 - torch_xla 2.9: the XLA environment's, imported (tests marked ``xla``).
 
-Every vendor name the device layer reaches (tests/vendor_uses.py reads backends/ with ``ast``) must exist
+Every vendor name the device layer reaches (tests/support/vendor_uses.py reads backends/ with ``ast``) must exist
 in the release with a signature that accepts the call; a release that drops a name fails with that name.
 Every fake offers only names of the module it stands for, with the same parameters, and keeps the side
 effects xshard relies on; where a fake differs on purpose, the difference is named here.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vendor_sources import (
+from support.vendor_sources import (
     NPU_RELEASE,
     WHEELS,
     WheelSources,
@@ -33,7 +33,7 @@ from vendor_sources import (
     npu_wheel_path,
     shape,
 )
-from vendor_uses import Use, scan
+from support.vendor_uses import Use, scan
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKEN_NPU = Path(__file__).parent / "fakes" / "broken_npu"

@@ -20,9 +20,9 @@ from collections.abc import Mapping
 
 import pytest
 import torch
+from support.vendor_sources import TPU_RELEASE, WHEELS, Found, WheelSources, shape, tpu_wheel_path
+from support.vendor_uses import Use
 from test_vendor_conformance import MISSING, backend_uses, problems_against
-from vendor_sources import TPU_RELEASE, WHEELS, Found, WheelSources, shape, tpu_wheel_path
-from vendor_uses import Use
 
 PUBLIC_API = "torch_tpu._internal.public_api"
 #: the torch releases the tpu backend runs on (torch-tpu 0.2.0's METADATA: torch>=2.11.0,<=2.15.0)
@@ -167,8 +167,8 @@ def test_a_call_torch_tpu_would_refuse_fails_naming_it(tpu_wheel, exports, extra
 
 
 def test_torch_accelerator_has_every_name_and_keyword_the_tpu_backend_uses() -> None:
+    from support.vendor_sources import live_signature
     from test_vendor_conformance import _live
-    from vendor_sources import live_signature
 
     uses = [u for u in backend_uses() if u.name.startswith("torch.accelerator.")]
     assert uses

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch_xla")
 
 import torch  # noqa: E402
-from xla_replicas import run_replicas  # noqa: E402
+from support.xla_replicas import run_replicas  # noqa: E402
 
 pytestmark = pytest.mark.xla
 
