@@ -28,7 +28,7 @@ PUBLIC_API = "torch_tpu._internal.public_api"
 #: the torch releases the tpu backend runs on (torch-tpu 0.2.0's METADATA: torch>=2.11.0,<=2.15.0)
 TORCH_RANGE = ((2, 11), (2, 15))
 
-pytest_plugins = ("fakes.fixtures",)  # fixtures: make_fake_tpu
+pytest_plugins = ("support.fakes.fixtures",)  # fixtures: make_fake_tpu
 #: read once: tests that start from a clean environment drop every XSHARD_ variable
 WHEELS_REQUIRED = os.environ.get("XSHARD_REQUIRE_VENDOR_WHEELS") == "1"
 
@@ -227,7 +227,7 @@ def test_internal_device_functions_are_the_ones_with_an_accelerator_twin(tpu_whe
 
 
 def test_fake_refuses_exactly_what_torch_tpu_keeps_internal(tpu_wheel) -> None:
-    from fakes.tpu import INTERNAL_SINCE
+    from support.fakes.tpu import INTERNAL_SINCE
 
     assert INTERNAL_SINCE == internal_since(tpu_wheel)
 
@@ -257,7 +257,7 @@ def test_fake_torch_tpu_offers_only_real_names_with_real_parameters(tpu_wheel, e
 
 
 def test_fake_accelerator_answers_have_torch_s_parameters(make_fake_tpu) -> None:
-    from fakes.tpu import PATCHED_ACCELERATOR, _saved_accelerator
+    from support.fakes.tpu import PATCHED_ACCELERATOR, _saved_accelerator
 
     make_fake_tpu()
     for name in PATCHED_ACCELERATOR:
@@ -267,7 +267,7 @@ def test_fake_accelerator_answers_have_torch_s_parameters(make_fake_tpu) -> None
 
 
 def test_fake_tpu_process_group_is_registered_as_torch_tpu_registers_it(tpu_wheel) -> None:
-    from fakes.tpu import TPU_REGISTRATION, _tpu_over_gloo
+    from support.fakes.tpu import TPU_REGISTRATION, _tpu_over_gloo
 
     real = _register_backend_calls(tpu_wheel)["tpu"]
     assert "extended_api" not in real and "extended_api" not in TPU_REGISTRATION
