@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # spawn (they inherit it) and in scripts run with PYTHONPATH=tests
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-#: the helpers and scripts the tests use; none of them is a test
+#: the helpers, scripts and fake vendor modules the tests use; none of them is a test
 collect_ignore = ["support"]
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
