@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # The CPU build of torch; a plain `pip install torch` would download a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo demo-minimal test lint typecheck clean vendor-wheels
+.PHONY: install demo demo-minimal test test-fast lint typecheck clean vendor-wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,11 +35,17 @@ demo: install
 demo-minimal: install
 	$(BIN)/xshard launch --nproc 2 examples/minimal.py
 
+# Everything: ruff, the whole suite in .venv (tests/README.md maps features to files), then the XLA tests.
 test: install vendor-wheels
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck
 	$(VENDOR_ENV) $(BIN)/python -m pytest -q
 	$(MAKE) --no-print-directory test-xla
+
+# The single-process tests: everything but the tests marked `multiprocess` (they start jobs of several
+# processes) and `xla` (they need torch_xla, see test-xla). For the edit-run loop; `make test` before a merge.
+test-fast: install vendor-wheels
+	$(VENDOR_ENV) $(BIN)/python -m pytest -q -m "not multiprocess and not xla"
 
 lint: install
 	$(BIN)/ruff check .

@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/distributed.py and helpers
+# tests/ on sys.path, for ``from support.distributed import run_workers``: also in the processes the tests
+# spawn (they inherit it) and in scripts run with PYTHONPATH=tests
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+#: the helpers, scripts and fake vendor modules the tests use; none of them is a test
+collect_ignore = ["support"]
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -60,7 +65,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
         return
     import importlib.metadata
 
-    from vendor_sources import NPU_RELEASE, TPU_RELEASE, npu_wheel_path, tpu_wheel_path
+    from support.vendor_sources import NPU_RELEASE, TPU_RELEASE, npu_wheel_path, tpu_wheel_path
 
     releases = []
     for dist in ("torch", "torch-xla"):

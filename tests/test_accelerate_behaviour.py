@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_workers
+from support.distributed import run_workers
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

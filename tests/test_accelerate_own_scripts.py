@@ -1,7 +1,7 @@
 """Accelerate's own test scripts, from the installed accelerate package, judge xshard's Accelerator.
 
 Each script runs from where accelerate installed it (``accelerate/test_utils/scripts/``; never copied)
-under ``xshard launch --nproc 2``, with ``tests/accelerate_shim.py`` putting ``xshard.Accelerator`` in
+under ``xshard launch --nproc 2``, with ``tests/support/accelerate_shim.py`` putting ``xshard.Accelerator`` in
 place of ``accelerate.Accelerator``; the scripts' own assertions decide. ``XSHARD_STAGE`` picks the
 stage (0: replicated, Accelerate's ``MULTI_CPU`` branches; 3: sharded, its ``FSDP`` branches).
 
@@ -51,7 +51,7 @@ import pytest
 pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parent.parent
-SHIM = Path(__file__).resolve().parent / "accelerate_shim.py"
+SHIM = Path(__file__).resolve().parent / "support" / "accelerate_shim.py"
 
 
 class KnownGap(Exception):

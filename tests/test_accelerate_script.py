@@ -1,4 +1,4 @@
-"""An ordinary Accelerate script runs on xshard with only the import changed (tests/accelerate_gpt2_script.py).
+"""An ordinary Accelerate script runs on xshard with only the import changed (tests/support/accelerate_gpt2_script.py).
 
 - One process: Accelerate and xshard give the same losses, clipped norms (clipping is called on every
   micro-step, so Accelerate's clipping inside an accumulation window is compared too), learning rates
@@ -23,7 +23,7 @@ import torch
 pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = Path(__file__).resolve().parent / "accelerate_gpt2_script.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "accelerate_gpt2_script.py"
 
 
 def _run(command: list[str], out: Path, accelerator: str) -> dict:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_workers
+from support.distributed import run_workers
 
 pytestmark = pytest.mark.multiprocess
 

@@ -1,6 +1,7 @@
 """Accelerator: one training loop, written once, gives the single-process PyTorch result at every stage.
 
-The sharded runs use 2 real gloo processes. The reference is plain PyTorch in one process on the
+The sharded runs use 2 real gloo processes, one started job for most of them (``two_ranks``: starting
+processes costs more than the cases). The reference is plain PyTorch in one process on the
 full batch (batch per rank x world size x accumulation steps), clipping with
 ``torch.nn.utils.clip_grad_norm_``. Accumulation and clipping come from the config only.
 """
@@ -9,13 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_workers
+from support.distributed import run_workers
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from xshard.data import ShardSampler
-
-pytestmark = pytest.mark.multiprocess
 
 N, DIM, BATCH, WORLD, ACCUM, CLIP = 32, 8, 2, 2, 2, 0.05
 
@@ -126,9 +125,29 @@ def _parity_worker(rank, world_size, stages, epochs):
     return results
 
 
-def test_every_stage_matches_single_process_pytorch_with_accumulation_and_clipping():
+def _cases_worker(rank, world_size, folder):
+    """The 2-rank cases below, in turn, in one started job; ``_api_worker`` ends the job, so it comes last."""
+    return {
+        "parity": _parity_worker(rank, world_size, (0, 1, 2, 3), 2),
+        "accumulation": _accumulation_worker(rank, world_size),
+        "fp16_skip": _fp16_skip_worker(rank, world_size),
+        "checkpoint": _checkpoint_worker(rank, world_size, folder),
+        "api": _api_worker(rank, world_size),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict[str, list]:
+    """Each case's results by rank (``_cases_worker``); the checkpoint case's folder is ``["folder"]``."""
+    folder = tmp_path_factory.mktemp("accelerator") / "ckpt"
+    per_rank = run_workers(_cases_worker, WORLD, folder)
+    return {"folder": folder, **{name: [r[name] for r in per_rank] for name in per_rank[0]}}
+
+
+@pytest.mark.multiprocess
+def test_every_stage_matches_single_process_pytorch_with_accumulation_and_clipping(two_ranks):
     ref_state, ref_losses, ref_lr = _reference(epochs=2)
-    results = run_workers(_parity_worker, WORLD, (0, 1, 2, 3), 2)
+    results = two_ranks["parity"]
     for stage, res in results[0].items():
         assert res["state"].keys() == ref_state.keys()
         for key, value in ref_state.items():
@@ -163,8 +182,9 @@ def _accumulation_worker(rank, world_size):
     return syncs, comm
 
 
-def test_accumulation_window_comes_from_the_config_and_closes_at_the_end_of_an_epoch():
-    syncs, comm = run_workers(_accumulation_worker, WORLD)[0]
+@pytest.mark.multiprocess
+def test_accumulation_window_comes_from_the_config_and_closes_at_the_end_of_an_epoch(two_ranks):
+    syncs, comm = two_ranks["accumulation"][0]
     assert syncs == [False, False, True, False, True]
     # no gradient communication inside the window; one reduce-scatter at its end
     assert [c > 0 for c in comm] == syncs
@@ -199,8 +219,9 @@ def _fp16_skip_worker(rank, world_size):
     return lrs, changed
 
 
-def test_fp16_overflow_skips_the_step_on_every_rank_and_the_scheduler_waits():
-    for lrs, changed in run_workers(_fp16_skip_worker, WORLD):
+@pytest.mark.multiprocess
+def test_fp16_overflow_skips_the_step_on_every_rank_and_the_scheduler_waits(two_ranks):
+    for lrs, changed in two_ranks["fp16_skip"]:
         assert changed == [True, False]
         # StepLR stepped once per process (2) after the first step, and not after the skipped one
         assert lrs == pytest.approx([2.5e-3, 2.5e-3])
@@ -246,15 +267,16 @@ class _remaining:
         return self.it
 
 
-def test_save_and_load_state_resume_mid_epoch_exactly(tmp_path):
-    folder = tmp_path / "ckpt"
-    expected, resumed, rest, resumed_losses, files, warned = run_workers(_checkpoint_worker, WORLD, folder)[0]
+@pytest.mark.multiprocess
+def test_save_and_load_state_resume_mid_epoch_exactly(two_ranks):
+    folder = two_ranks["folder"]
+    expected, resumed, rest, resumed_losses, files, warned = two_ranks["checkpoint"][0]
     assert files == ["data.pt", "model.safetensors", "optimizer.groups.pt", "optimizer.rank0.safetensors",
                      "optimizer.rank1.safetensors", "rng.rank0.pt", "rng.rank1.pt", "scheduler.pt", "xshard_state.json"]
     assert resumed_losses == pytest.approx(rest, rel=1e-6)
     for key, value in expected.items():
         torch.testing.assert_close(resumed[key], value, rtol=0, atol=0)
-    assert not (tmp_path / "ckpt.tmp").exists() and not (tmp_path / "ckpt.old").exists()
+    assert not (folder.parent / "ckpt.tmp").exists() and not (folder.parent / "ckpt.old").exists()
     assert any("inside an accumulation window" in m for m in warned)  # saved again over it, with a warning
 
 
@@ -280,8 +302,9 @@ def _api_worker(rank, world_size):
     }
 
 
-def test_collectives_and_process_facts():
-    r0, r1 = run_workers(_api_worker, WORLD)
+@pytest.mark.multiprocess
+def test_collectives_and_process_facts(two_ranks):
+    r0, r1 = two_ranks["api"]
     assert r0["gathered"].tolist() == r1["gathered"].tolist() == [0.0, 10.0, 1.0, 11.0]
     assert r0["scalars"].tolist() == [0.0, 1.0] and r1["nested"].tolist() == [0, 1]
     assert r0["sum"] == r1["sum"] == 3.0 and r0["mean"] == r1["mean"] == 1.5
@@ -299,7 +322,8 @@ def _unseeded_worker(rank, world_size):
     return {k: v.clone() for k, v in model.module.state_dict().items()}
 
 
-def test_an_unseeded_job_starts_every_rank_from_rank_0_weights(clean_env):
+@pytest.mark.multiprocess
+def test_an_unseeded_job_starts_every_rank_from_rank_0_weights(clean_env):  # its own job: no XSHARD_* variables
     r0, r1 = run_workers(_unseeded_worker, WORLD)
     for key in r0:
         assert torch.equal(r0[key], r1[key]), key

@@ -1,4 +1,4 @@
-"""CUDA backend, emulated: torch.cuda's functions are patched on this CPU-only torch (tests/fakes/cuda.py,
+"""CUDA backend, emulated: torch.cuda's functions are patched on this CPU-only torch (tests/support/fakes/cuda.py,
 held to this torch's signatures by tests/test_vendor_conformance.py) and record what the backend asks.
 Proves how xshard drives CUDA, not that a GPU works (`xshard env --check`)."""
 
@@ -9,7 +9,7 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-from fakes.cuda import fake_cuda
+from support.fakes.cuda import fake_cuda
 from xshard.backends import (
     BackendUnavailableError,
     VisibleDevicesError,

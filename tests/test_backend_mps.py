@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from fakes.mps import fake_mps
+from support.fakes.mps import fake_mps
 from xshard.backends import (
     BackendUnavailableError,
     SingleProcessCollectives,

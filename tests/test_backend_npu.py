@@ -1,4 +1,4 @@
-"""NPU backend, emulated: a fake torch_npu / torch.npu (tests/fakes/npu.py, held to the real torch_npu
+"""NPU backend, emulated: a fake torch_npu / torch.npu (tests/support/fakes/npu.py, held to the real torch_npu
 2.13.0 by tests/test_vendor_conformance.py) records what the backend asks of it, and a test-only "hccl"
 process group over gloo runs real collectives in two processes.
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_workers
-from fakes.npu import install_fake_torch_npu
 from packaging.requirements import Requirement
+from support.distributed import run_workers
+from support.fakes.npu import install_fake_torch_npu
 from xshard.backends import (
     BackendUnavailableError,
     World,
@@ -29,10 +29,10 @@ from xshard.backends import (
 
 from xshard.sharding import ShardedGradScaler
 
-pytest_plugins = ("fakes.fixtures",)  # fixtures: fake_npu, make_fake_npu, no_torch_npu, no_xla
+pytest_plugins = ("support.fakes.fixtures",)  # fixtures: fake_npu, make_fake_npu, no_torch_npu, no_xla
 
 NPU = backend_class("npu")
-BROKEN = Path(__file__).parent / "fakes" / "broken_npu"
+BROKEN = Path(__file__).parent / "support" / "fakes" / "broken_npu"
 
 
 def test_identity_and_devices(fake_npu) -> None:

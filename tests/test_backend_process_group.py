@@ -8,7 +8,7 @@ import datetime
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_workers
+from support.distributed import run_workers
 from xshard.backends import SingleProcessCollectives, World, WorldEnvironmentError, backend_class
 
 CPU = backend_class("cpu")

@@ -1,5 +1,5 @@
 """Backends that live outside the package: registered in code or by an installed package's entry point,
-selected by name, and run through the Accelerator like a built-in one (tests/toy_backend.py)."""
+selected by name, and run through the Accelerator like a built-in one (tests/support/toy_backend.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import xshard.backends as backends
-from toy_backend import ToyBackend
+from support.toy_backend import ToyBackend
 from xshard.backends import (
     BackendConflictError,
     BackendUnavailableError,
@@ -34,7 +34,7 @@ def registry(clean_env):
     return clean_env
 
 
-def _plugin(folder: Path, target: str = "toy_backend:ToyBackend", name: str = "toy") -> Path:
+def _plugin(folder: Path, target: str = "support.toy_backend:ToyBackend", name: str = "toy") -> Path:
     """What `pip install` of a package declaring ``[project.entry-points."xshard.backends"]`` leaves."""
     info = folder / f"{name}_plugin-0.1.dist-info"
     info.mkdir(parents=True)
@@ -72,7 +72,7 @@ def test_the_config_file_may_name_a_registered_backend(registry) -> None:
 
     with pytest.raises(XShardConfigError, match="backend"):
         XShardConfig.load({"backend": "toy"})
-    register_backend("toy", "toy_backend:ToyBackend")
+    register_backend("toy", "support.toy_backend:ToyBackend")
     assert XShardConfig.load({"backend": "toy"}).backend == "toy"
 
 
@@ -91,7 +91,7 @@ def test_bad_registrations_say_what_to_fix(registry, name, target, error, messag
 
 def test_a_name_taken_by_another_class_is_refused_until_unregistered(registry) -> None:
     register_backend("toy", ToyBackend)
-    with pytest.raises(BackendConflictError, match="already registered as toy_backend:ToyBackend"):
+    with pytest.raises(BackendConflictError, match="already registered as support.toy_backend:ToyBackend"):
         register_backend("toy", "elsewhere:ToyBackend")
     unregister_backend("toy")
     register_backend("toy", "elsewhere:ToyBackend")

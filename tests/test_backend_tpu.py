@@ -1,4 +1,4 @@
-"""TPU backend on TorchTPU, emulated: a fake torch_tpu / torch.tpu (tests/fakes/tpu.py, held to the real
+"""TPU backend on TorchTPU, emulated: a fake torch_tpu / torch.tpu (tests/support/fakes/tpu.py, held to the real
 torch-tpu 0.2.0 wheel by tests/test_vendor_conformance.py) answers like a TPU VM, refuses the functions
 TorchTPU keeps internal exactly as the real one does, and a test-only "tpu" process group over gloo runs
 real collectives in two processes.
@@ -15,12 +15,12 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_workers
-from fakes.tpu import install_fake_torch_tpu
+from support.distributed import run_workers
+from support.fakes.tpu import install_fake_torch_tpu
 from xshard.backends import BackendUnavailableError, World, backend_class, select
 from xshard.backends.launchers import LaunchError, LaunchRequest
 
-pytest_plugins = ("fakes.fixtures",)  # fixtures: make_fake_tpu, no_torch_tpu, fake_npu, no_xla
+pytest_plugins = ("support.fakes.fixtures",)  # fixtures: make_fake_tpu, no_torch_tpu, fake_npu, no_xla
 
 TPU = backend_class("tpu")
 
@@ -230,7 +230,7 @@ def test_xshard_launch_starts_one_process_per_chip_on_the_tpu_group(tmp_path) ->
     script.write_text(LAUNCHED)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "TORCH_TPU_"))}
     env.update(XSHARD_BACKEND="tpu", FAKE_TPU_CHIPS="2", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(tests / "fakes" / "tpu_vm"), str(tests.parent)]))
+               PYTHONPATH=os.pathsep.join([str(tests / "support" / "fakes" / "tpu_vm"), str(tests.parent)]))
     proc = subprocess.run([sys.executable, "-m", "xshard", "launch", "--nproc", "2", str(script), str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from distributed import run_workers
+from support.distributed import run_workers
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

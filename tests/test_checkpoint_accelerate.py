@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from distributed import run_workers
+from support.distributed import run_workers
 from test_checkpoint import GLOBAL_BATCH, K, N, Net, _data, _job, _plain, _steps
 
 from xshard.data import ShardSampler

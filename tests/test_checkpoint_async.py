@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_workers
+from support.distributed import run_workers
 from test_checkpoint import _job, _plain, _steps
 
 from xshard.checkpoint import CheckpointError, latest_checkpoint

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import free_port
+from support.distributed import free_port
 
 from xshard.checkpoint.files import MANIFEST, latest_checkpoint, read_manifest, verify_file
 
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.multiprocess
 TRIALS = int(os.environ.get("XSHARD_CHAOS_TRIALS", "2"))
 SEED = int(os.environ.get("XSHARD_CHAOS_SEED", "1311"))
 KILLS_PER_TRIAL = 3  # at most this many killed runs before the run that must complete
-WORKER = Path(__file__).with_name("chaos_worker.py")
+WORKER = Path(__file__).resolve().parent / "support" / "chaos_worker.py"
 ROOT = Path(__file__).resolve().parent.parent
 TOTAL_STEPS, SAVE_EVERY = 12, 3
 

@@ -6,13 +6,13 @@ import os
 
 import pytest
 import torch
-from distributed import run_workers
+from support.distributed import run_workers
 
 pytestmark = pytest.mark.multiprocess
 
 
 def _qwen_worker(rank, world_size, folder):
-    from models import make_qwen2
+    from support.models import make_qwen2
 
     import xshard
 

@@ -10,7 +10,7 @@ import json
 import os
 
 import pytest
-from distributed import run_workers
+from support.distributed import run_workers
 from test_checkpoint import GLOBAL_BATCH, K, Net, _data, _reference, _steps
 from torch.utils.data import DataLoader
 

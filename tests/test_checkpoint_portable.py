@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from distributed import run_workers
+from support.distributed import run_workers
 from test_checkpoint import K, _plain, _reference, _steps
 
 pytestmark = pytest.mark.multiprocess

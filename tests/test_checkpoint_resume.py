@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from distributed import run_workers
+from support.distributed import run_workers
 from test_checkpoint import _job, _plain, _steps
 
 pytestmark = pytest.mark.multiprocess

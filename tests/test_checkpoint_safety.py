@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from distributed import run_workers
+from support.distributed import run_workers
 from test_checkpoint import _job, _plain, _steps
 
 from xshard.checkpoint.files import FAIL_AFTER_ENV, FAIL_RANK_ENV

@@ -14,7 +14,7 @@ pytest.importorskip("torch_xla")
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 import torch  # noqa: E402
-from models import batch, make_tiny  # noqa: E402
+from support.models import batch, make_tiny  # noqa: E402
 
 pytestmark = pytest.mark.xla
 

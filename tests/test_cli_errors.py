@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_workers
+from support.distributed import run_workers
 
 from xshard.cli import main
 
@@ -85,6 +85,7 @@ def _save(rank, world_size, folder, umask):
     return {k: v.clone() for k, v in model.full_state_dict().items()}
 
 
+@pytest.mark.multiprocess
 def test_consolidate_output_names_mean_what_they_say_and_files_follow_the_umask(tmp_path):
     from safetensors.torch import load_file
 

@@ -16,14 +16,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from distributed import free_port
+from support.distributed import free_port
 from xshard.backends import World
 from xshard.backends.cluster import SLURM_PORT_BASE, detect, first_host, tasks_per_node
 from xshard.backends.errors import WorldEnvironmentError
 
 from xshard.cli.launch import LaunchOptions, plan_launch
 
-SCRIPT = Path(__file__).resolve().with_name("cluster_train.py")
+SCRIPT = Path(__file__).resolve().parent / "support" / "cluster_train.py"
 NODES = "127.0.0.[1-2]"
 
 

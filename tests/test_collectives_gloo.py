@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from collective_checks import assert_collective_results
-from distributed import run_workers
+from support.collective_checks import assert_collective_results
+from support.distributed import run_workers
 
 pytestmark = pytest.mark.multiprocess
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_workers
+from support.distributed import run_workers
 
 pytestmark = pytest.mark.multiprocess
 

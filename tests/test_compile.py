@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_workers
-from semantics_cases import BATCH, Stack, _data
+from support.distributed import run_workers
+from support.semantics_cases import BATCH, Stack, _data
 
 pytestmark = pytest.mark.multiprocess
 
@@ -39,7 +39,7 @@ def _train(model, module, params, take) -> tuple[list[float], list[int]]:
 
 
 def _worker(rank: int, world: int) -> dict:
-    from sharding_harness import init_backend
+    from support.sharding_harness import init_backend
 
     from xshard.sharding import ShardingOptions, shard_model
 

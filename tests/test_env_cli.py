@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import free_port
+from support.distributed import free_port
 from xshard.backends import World
 
 from xshard.cli.env_check import run_checks
 
 ROOT = Path(__file__).resolve().parent.parent
-BROKEN_NPU = Path(__file__).parent / "fakes" / "broken_npu"
+BROKEN_NPU = Path(__file__).parent / "support" / "fakes" / "broken_npu"
 
 
 def xshard_env(*args: str, env: dict[str, str] | None = None, module: tuple[str, ...] = ("-m", "xshard", "env"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from distributed import run_workers
+from support.distributed import run_workers
 
 pytestmark = pytest.mark.multiprocess
 
@@ -130,7 +130,7 @@ def test_a_killed_peer_is_named_as_dead_not_as_a_timeout(tmp_path, victim) -> No
     import multiprocessing
 
     import torch
-    from distributed import _entry, free_port
+    from support.distributed import _entry, free_port
 
     ctx = multiprocessing.get_context("spawn")
     port = free_port()

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from distributed import free_port
+from support.distributed import free_port
 from xshard.backends import Backend, Selection
 from xshard.backends.errors import XShardError
 from xshard.backends.launchers import SingleLauncher, XLALauncher

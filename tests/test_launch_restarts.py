@@ -1,6 +1,6 @@
 """`xshard launch --max_restarts`: a rank lost mid-run, the job restarts and resumes on its own.
 
-The script (tests/restart_train.py) never calls load_state: the restarted ranks find the newest
+The script (tests/support/restart_train.py) never calls load_state: the restarted ranks find the newest
 complete checkpoint of the job themselves (``xshard.checkpoint.auto_resume``) once everything is
 prepared, and the job's final weights equal those of a run that was never interrupted.
 """
@@ -19,7 +19,7 @@ from xshard.checkpoint.auto_resume import record, restart_checkpoint
 
 pytestmark = pytest.mark.multiprocess
 
-SCRIPT = Path(__file__).resolve().with_name("restart_train.py")
+SCRIPT = Path(__file__).resolve().parent / "support" / "restart_train.py"
 
 
 def _run(out: Path, command: list[str], extra_env: dict[str, str] | None = None,

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch_signals import SLEEPER, gone_within, kill_all, wait_for_pids
+from support.launch_signals import SLEEPER, gone_within, kill_all, wait_for_pids
 
 pytestmark = pytest.mark.multiprocess
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from distributed import free_port
+from support.distributed import free_port
 
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from /proc")]

@@ -121,7 +121,7 @@ with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
 
 def _xla_launch(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
     """`xshard launch` as a user runs it (once)."""
-    from xla_replicas import run_command
+    from support.xla_replicas import run_command
 
     return run_command([sys.executable, "-m", "xshard", "launch", *args], env, timeout)
 
@@ -169,7 +169,7 @@ time.sleep(300)
 @pytest.mark.xla
 @needs_torch_xla
 def test_a_killed_xla_launcher_takes_its_replica_processes_with_it(tmp_path) -> None:
-    from launch_signals import gone_within, kill_all, wait_for_pids
+    from support.launch_signals import gone_within, kill_all, wait_for_pids
 
     script = tmp_path / "sleeper.py"
     script.write_text(SLEEPER)

@@ -1,4 +1,4 @@
-"""A transformers ``*_no_trainer``-style script (tests/no_trainer_clm_script.py) gives Accelerate's numbers on xshard.
+"""A transformers ``*_no_trainer``-style script (tests/support/no_trainer_clm_script.py) gives Accelerate's numbers on xshard.
 
 Run on 2 processes with Accelerate (torchrun, ``ACCELERATE_USE_CPU``: its multi-CPU data parallel) and
 with xshard (``xshard launch``, its default stage 3), the data order fixed as the script describes:
@@ -24,7 +24,7 @@ import pytest
 pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = Path(__file__).resolve().parent / "no_trainer_clm_script.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "no_trainer_clm_script.py"
 
 
 def _run(launcher: list[str], accelerator: str, cwd: Path, *args: str) -> tuple[dict, str]:

@@ -7,7 +7,7 @@ import io
 import sys
 
 import pytest
-from distributed import run_workers
+from support.distributed import run_workers
 from test_checkpoint import _job, _steps
 
 pytestmark = pytest.mark.multiprocess

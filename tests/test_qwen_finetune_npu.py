@@ -1,5 +1,5 @@
 """finetune_loop.py and finetune.py (the Trainer script) on the NPU code path, emulated: the fake torch_npu and the test-only "hccl" process group
-over gloo (tests/fakes/npu.py). Not a test on NPU hardware: the compute tensors stay on the CPU.
+over gloo (tests/support/fakes/npu.py). Not a test on NPU hardware: the compute tensors stay on the CPU.
 
 The launch line (``XSHARD_BACKEND=npu``, 2 processes) must select the ``npu:<local rank>`` devices,
 bind them before the process group starts, start "hccl", probe bf16 support, and run to the end:
@@ -34,7 +34,7 @@ def _emulated_npu_main() -> None:
     from transformers import PreTrainedTokenizerFast  # noqa: F401
 
     sys.path.insert(0, str(TESTS))
-    from fakes.npu import install_fake_torch_npu
+    from support.fakes.npu import install_fake_torch_npu
 
     calls = install_fake_torch_npu(device_count=2, bf16=os.environ["FAKE_NPU_BF16"] == "1")
     from xshard.backends.npu import NPUBackend

@@ -8,8 +8,8 @@ import sys
 import types
 
 import pytest
-from fakes.cuda import fake_cuda
-from fakes.mps import fake_mps
+from support.fakes.cuda import fake_cuda
+from support.fakes.mps import fake_mps
 from xshard.backends import (
     AUTO_ORDER,
     BackendConflictError,
@@ -19,7 +19,7 @@ from xshard.backends import (
     select,
 )
 
-pytest_plugins = ("fakes.fixtures",)  # fixtures: fake_npu, make_fake_npu, no_torch_npu, no_torch_tpu, no_xla
+pytest_plugins = ("support.fakes.fixtures",)  # fixtures: fake_npu, make_fake_npu, no_torch_npu, no_torch_tpu, no_xla
 
 
 def test_auto_order_is_the_documented_one() -> None:

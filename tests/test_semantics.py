@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_workers
-from semantics_cases import BATCH, CASES, build, reference, train
+from support.distributed import run_workers
+from support.semantics_cases import BATCH, CASES, build, reference, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -22,7 +22,7 @@ STAGES = (0, 1, 2, 3)
 
 
 def _worker(rank: int, world: int, names: list[str]) -> dict:
-    from sharding_harness import init_backend
+    from support.sharding_harness import init_backend
 
     from xshard.sharding import ShardingOptions, shard_model
 

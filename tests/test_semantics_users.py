@@ -18,10 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run_workers
+from support.distributed import run_workers
 from torch import nn
-
-pytestmark = pytest.mark.multiprocess
 
 STAGES = (0, 1, 2, 3)
 
@@ -103,6 +101,7 @@ def _save_worker(rank: int, world: int, folder: str) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_save_pretrained_of_a_stage3_model_loads_back_in_transformers_and_peft(tmp_path) -> None:
     from peft import PeftModel
     from transformers import Qwen2ForCausalLM
@@ -140,6 +139,7 @@ def _generate_worker(rank: int, world: int) -> list[int] | None:
     return None if tokens is None else tokens[0].tolist()
 
 
+@pytest.mark.multiprocess
 def test_rank0_generates_alone_inside_summon_full_params() -> None:
     tokens = run_workers(_generate_worker, 2, timeout=240)[0]
     expected = _tiny_qwen2().generate(_ids(0, 1), max_new_tokens=5, do_sample=False)[0].tolist()
@@ -183,7 +183,7 @@ def _bn_train(model: nn.Module, rank: int) -> dict[str, torch.Tensor]:
 
 
 def _buffers_worker(rank: int, world: int) -> dict:
-    from sharding_harness import init_backend
+    from support.sharding_harness import init_backend
     from torch.nn.parallel import DistributedDataParallel
 
     from xshard.sharding import ShardingOptions, shard_model
@@ -199,6 +199,7 @@ def _buffers_worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_batchnorm_buffers_and_train_eval_behave_as_ddp() -> None:
     for res in run_workers(_buffers_worker, 2):
         for stage in STAGES:
@@ -225,7 +226,7 @@ class Branchy(nn.Module):
 
 
 def _divergent_worker(rank: int, world: int, stage: int) -> dict:
-    from sharding_harness import init_backend
+    from support.sharding_harness import init_backend
     from xshard.backends.errors import CollectiveMismatchError
 
     from xshard.sharding import ShardingOptions, shard_model
@@ -247,6 +248,7 @@ def _divergent_worker(rank: int, world: int, stage: int) -> dict:
     return {"state": state}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [2, 3])
 def test_ranks_running_different_units_get_a_clear_error(stage: int) -> None:
     results = run_workers(_divergent_worker, 2, stage, timeout=120)
@@ -259,7 +261,7 @@ def test_ranks_running_different_units_get_a_clear_error(stage: int) -> None:
 
 
 def _ddp_branchy(rank: int, world: int) -> dict:
-    from sharding_harness import init_backend
+    from support.sharding_harness import init_backend
     from torch.nn.parallel import DistributedDataParallel
 
     backend = init_backend()
@@ -274,6 +276,7 @@ def _ddp_branchy(rank: int, world: int) -> dict:
     return {"state": state}
 
 
+@pytest.mark.multiprocess
 def test_stage0_allows_different_branches_per_rank_as_ddp() -> None:
     ours = run_workers(_divergent_worker, 2, 0, timeout=120)
     ddp = run_workers(_ddp_branchy, 2, timeout=120)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_workers
-from models import TinyLM, batch, make_qwen2
-from sharding_harness import assert_matches, build, case, init_backend, reference, run_cases
+from support.distributed import run_workers
+from support.models import TinyLM, batch, make_qwen2
+from support.sharding_harness import assert_matches, build, case, init_backend, reference, run_cases
 from torch import nn
 from xshard.backends import get_backend
 
@@ -118,6 +118,7 @@ CASES = {
 }
 
 
+@pytest.mark.multiprocess
 def test_sharded_init_gives_a_normal_init_and_trains_like_plain_pytorch() -> None:
     per_rank = run_workers(run_cases, 2, list(CASES.values()))
     for i, (name, c) in enumerate(CASES.items()):
@@ -144,6 +145,7 @@ def _unseeded_worker(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_sync_module_states_takes_rank_0s_values_one_parameter_at_a_time() -> None:
     rank0 = run_workers(_unseeded_worker, 2)[0]
     torch.manual_seed(100)
@@ -188,6 +190,7 @@ def _accelerator_worker(rank: int, world_size: int) -> dict:
     return state
 
 
+@pytest.mark.multiprocess
 def test_accelerator_prepare_gives_every_rank_rank_0s_sharded_init_values() -> None:
     states = run_workers(_accelerator_worker, 2)
     torch.manual_seed(100)

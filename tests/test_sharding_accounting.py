@@ -20,8 +20,8 @@ import math
 
 import pytest
 import torch
-from distributed import run_workers
-from models import batch, make_tiny
+from support.distributed import run_workers
+from support.models import batch, make_tiny
 
 pytestmark = pytest.mark.multiprocess
 
@@ -55,7 +55,7 @@ def _freeze(model: torch.nn.Module) -> None:
 
 
 def _account(rank: int, world: int) -> dict:
-    from sharding_harness import init_backend
+    from support.sharding_harness import init_backend
 
     from xshard.sharding import ShardingOptions, shard_model
 

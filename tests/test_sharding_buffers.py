@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_workers
-from models import batch, make_tiny
+from support.distributed import run_workers
+from support.models import batch, make_tiny
 
 pytestmark = pytest.mark.multiprocess
 
@@ -23,7 +23,7 @@ def _storages(tensors) -> list[int]:
 
 
 def _run(rank: int, world: int) -> dict:
-    from sharding_harness import init_backend
+    from support.sharding_harness import init_backend
 
     from xshard.sharding import ShardingOptions, shard_model
 

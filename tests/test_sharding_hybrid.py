@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_workers
-from models import make_tiny
-from sharding_harness import assert_matches, case, reference, run_cases
+from support.distributed import run_workers
+from support.models import make_tiny
+from support.sharding_harness import assert_matches, case, reference, run_cases
 from test_sharding_accounting import ROOT, psi_bytes
 
 pytestmark = pytest.mark.multiprocess

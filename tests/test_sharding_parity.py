@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_workers
-from sharding_harness import assert_matches, case, reference, run_cases
+from support.distributed import run_workers
+from support.sharding_harness import assert_matches, case, reference, run_cases
 
 pytestmark = pytest.mark.multiprocess
 
@@ -134,7 +134,7 @@ def test_mixed_precision_matches(world2) -> None:
 
 def test_bytes_per_step_2_ranks(world2) -> None:
     """The parity job's own byte counts follow the formulas of test_sharding_accounting.py."""
-    from models import make_tiny
+    from support.models import make_tiny
     from test_sharding_accounting import ROOT, flag_bytes, psi_bytes
 
     model = make_tiny()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import make_qwen2, make_tiny
-from sharding_harness import assert_matches, case, reference, run_sharded
+from support.models import make_qwen2, make_tiny
+from support.sharding_harness import assert_matches, case, reference, run_sharded
 from xshard.backends import get_backend
 
 from xshard.sharding import ShardedModel, ShardingOptions, normalise_stage, shard_model
@@ -116,7 +116,7 @@ def test_single_process_matches_plain_pytorch(backend, stage: int) -> None:
 
 
 def test_prefetch_is_bounded_by_max_inflight(backend) -> None:
-    from models import batch
+    from support.models import batch
 
     ids, labels = batch(0, 4)
     seen = {}
@@ -166,7 +166,7 @@ def test_buffer_dtype_casts_floating_buffers(backend) -> None:
 
 
 def test_stage3_holds_only_the_root_between_forward_and_backward(backend) -> None:
-    from models import batch
+    from support.models import batch
 
     ids, labels = batch(0, 4)
     sm = shard_model(make_tiny(), backend, ShardingOptions(stage=3))
@@ -182,7 +182,7 @@ def test_stage3_holds_only_the_root_between_forward_and_backward(backend) -> Non
 
 
 def test_zero_grad_drops_gradients_accumulated_under_no_sync(backend) -> None:
-    from models import batch
+    from support.models import batch
 
     ids, labels = batch(0, 4)
     sm = shard_model(make_tiny(), backend, ShardingOptions(stage=2))
@@ -208,7 +208,7 @@ class _DataSGD(torch.optim.Optimizer):
 
 
 def test_registered_optimizer_step_refreshes_compute_copies(backend) -> None:
-    from models import batch
+    from support.models import batch
 
     ref = make_tiny()
     sm = shard_model(make_tiny(), backend, ShardingOptions(stage=2))

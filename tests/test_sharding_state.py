@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_workers
-from models import batch, make_qwen2, make_tiny
+from support.distributed import run_workers
+from support.models import batch, make_qwen2, make_tiny
 
 pytestmark = pytest.mark.multiprocess
 
 
 def _worker(rank: int, world: int) -> dict:
     """Both checks in one job (process start-up dominates the cost)."""
-    from sharding_harness import init_backend
+    from support.sharding_harness import init_backend
 
     backend = init_backend()
     out = {"state": _state_checks(backend, rank), "scaler": _scaler_checks(backend, rank)}

@@ -15,7 +15,7 @@ pytest.importorskip("torch_xla")
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 import torch  # noqa: E402
-from models import batch, make_tiny  # noqa: E402
+from support.models import batch, make_tiny  # noqa: E402
 
 from xshard.sharding import ShardingOptions, shard_model  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""An ordinary Trainer SFT script (tests/trainer_sft_script.py) runs on xshard with only the import changed.
+"""An ordinary Trainer SFT script (tests/support/trainer_sft_script.py) runs on xshard with only the import changed.
 
 - One process: transformers' own Trainer and xshard's give the same losses, gradient norms, learning rates
   and evaluation results (xshard at its default stage 3, the Trainer's own seeded data order, accumulation 2).
@@ -22,7 +22,7 @@ import torch
 pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = Path(__file__).resolve().parent / "trainer_sft_script.py"
+SCRIPT = Path(__file__).resolve().parent / "support" / "trainer_sft_script.py"
 DATA = ROOT / "examples" / "qwen_finetune" / "data" / "alpaca_synthetic.json"
 
 

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from toy_backend import ToyBackend
+from support.toy_backend import ToyBackend
 from xshard.backends import register_backend, unregister_backend
 from xshard.backends.errors import XShardError
 

@@ -22,7 +22,7 @@ import torch
 pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent
+SCRIPTS = Path(__file__).resolve().parent / "support"
 DATA = ROOT / "examples" / "qwen_finetune" / "data" / "alpaca_synthetic.json"
 LAUNCH_2 = [sys.executable, "-m", "xshard", "launch", "--nproc", "2"]
 
@@ -30,7 +30,7 @@ LAUNCH_2 = [sys.executable, "-m", "xshard", "launch", "--nproc", "2"]
 def _run(command: list[str], script: str, args: list[str], trainer: str = "xshard") -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
     env.update(SFT_TRAINER=trainer, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([*command, str(TESTS / script), *args], capture_output=True, text=True, timeout=400,
+    proc = subprocess.run([*command, str(SCRIPTS / script), *args], capture_output=True, text=True, timeout=400,
                           cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 

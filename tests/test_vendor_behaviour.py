@@ -22,12 +22,12 @@ import zipfile
 import pytest
 import torch
 import torch.distributed as dist
-from vendor_sources import WheelSources, npu_wheel_path, tpu_wheel_path
+from support.vendor_sources import WheelSources, npu_wheel_path, tpu_wheel_path
 from xshard.backends import World, backend_class
 from xshard.backends import collectives as collectives_module
 from xshard.backends.collectives import DistCollectives
 
-pytest_plugins = ("fakes.fixtures",)  # fixtures: fake_npu, make_fake_tpu
+pytest_plugins = ("support.fakes.fixtures",)  # fixtures: fake_npu, make_fake_tpu
 
 R = dist.ReduceOp.RedOpType
 #: read once: tests that start from a clean environment drop every XSHARD_ variable

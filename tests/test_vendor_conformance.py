@@ -7,7 +7,7 @@ against the real releases xshard supports, without the hardware.
   The CPU build has the same Python sources for ``torch.cuda`` and ``torch.mps`` as the GPU and Mac builds.
 - torch_xla 2.9: the XLA environment's, imported (tests marked ``xla``).
 
-Every vendor name the device layer reaches (tests/vendor_uses.py reads backends/ with ``ast``) must exist
+Every vendor name the device layer reaches (tests/support/vendor_uses.py reads backends/ with ``ast``) must exist
 in the release with a signature that accepts the call; a release that drops a name fails with that name.
 Every fake offers only names of the module it stands for, with the same parameters, and keeps the side
 effects xshard relies on; where a fake differs on purpose, the difference is named here.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vendor_sources import (
+from support.vendor_sources import (
     NPU_RELEASE,
     WHEELS,
     WheelSources,
@@ -33,10 +33,10 @@ from vendor_sources import (
     npu_wheel_path,
     shape,
 )
-from vendor_uses import Use, scan
+from support.vendor_uses import Use, scan
 
 ROOT = Path(__file__).resolve().parent.parent
-BROKEN_NPU = Path(__file__).parent / "fakes" / "broken_npu"
+BROKEN_NPU = Path(__file__).parent / "support" / "fakes" / "broken_npu"
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ STARTS_RUNTIME_IN_CPP = {"set_device": "THNPModule_setDevice_wrap calls npu_lazy
 
 @pytest.fixture
 def fake_npu_module():
-    from fakes.npu import NPUCalls, _npu_module
+    from support.fakes.npu import NPUCalls, _npu_module
 
     return _npu_module(NPUCalls(), device_count=2, bf16=True, initialized=False, inf_nan_mode=False)
 
@@ -214,7 +214,7 @@ def test_fake_torch_npu_starts_the_runtime_where_the_real_one_does(npu_wheel, fa
                 starters[name] = "calls _lazy_init"
     assert {"is_bf16_supported", "current_device", "set_device"} <= set(starters)  # the ones xshard meets
     args = {"set_device": (1,)}
-    from fakes.npu import NPUCalls, _npu_module
+    from support.fakes.npu import NPUCalls, _npu_module
 
     for name in starters:
         if not hasattr(fake_npu_module, name):
@@ -230,14 +230,14 @@ def test_fake_grad_scaler_is_shaped_like_torch_npu_s(npu_wheel, fake_npu_module)
     real = npu_wheel.lookup("torch_npu.npu.amp.GradScaler")
     fake = fake_npu_module.amp.GradScaler
     assert shape(inspect.signature(fake)) == shape(npu_wheel.signature(real))
-    own = {n for c in fake.__mro__ if c.__module__.startswith("fakes") for n in _members(c)}
+    own = {n for c in fake.__mro__ if c.__module__.startswith("support.fakes") for n in _members(c)}
     assert own - npu_wheel.class_names(real) == set(FAKE_SCALER_EXTRAS)
     for name in own - set(FAKE_SCALER_EXTRAS):
         member = npu_wheel.member(real, name)
         if member is not None and member.kind == "def":
             assert shape(inspect.signature(getattr(fake, name))) == shape(npu_wheel.signature(member)), name
 
-    # what the fake models of torch_npu's scaler (tests/fakes/npu.py) must still be true of the release
+    # what the fake models of torch_npu's scaler (tests/support/fakes/npu.py) must still be true of the release
     def calls(method: str) -> set[str]:
         return npu_wheel.calls_in(npu_wheel.member(real, method))
 
@@ -260,7 +260,7 @@ def _register_backend_call(wheel: WheelSources, name: str) -> dict:
 
 
 def test_fake_hccl_is_registered_as_torch_npu_registers_it(npu_wheel) -> None:
-    from fakes.npu import HCCL_REGISTRATION, _hccl_over_gloo
+    from support.fakes.npu import HCCL_REGISTRATION, _hccl_over_gloo
 
     real = _register_backend_call(npu_wheel, "hccl")
     assert real["extended_api"] is HCCL_REGISTRATION["extended_api"] is True
@@ -298,7 +298,7 @@ def test_broken_torch_npu_fakes_fail_as_the_release_does(npu_wheel) -> None:
 
 @pytest.mark.xla
 def test_fake_cuda_has_torch_cuda_s_names_and_parameters(monkeypatch) -> None:
-    from fakes.cuda import fake_cuda
+    from support.fakes.cuda import fake_cuda
 
     modules = {"torch.cuda": torch.cuda, "torch.backends.cuda": torch.backends.cuda}
     real = {f"{m}.{n}": getattr(mod, n) for m, mod in modules.items() for n in dir(mod)}
@@ -312,7 +312,7 @@ def test_fake_cuda_has_torch_cuda_s_names_and_parameters(monkeypatch) -> None:
 
 @pytest.mark.xla
 def test_fake_mps_has_torch_s_names_and_parameters(monkeypatch) -> None:
-    from fakes.mps import fake_mps
+    from support.fakes.mps import fake_mps
 
     mps = torch.backends.mps
     real = {n: getattr(mps, n) for n in dir(mps)}

@@ -20,15 +20,15 @@ from collections.abc import Mapping
 
 import pytest
 import torch
+from support.vendor_sources import TPU_RELEASE, WHEELS, Found, WheelSources, shape, tpu_wheel_path
+from support.vendor_uses import Use
 from test_vendor_conformance import MISSING, backend_uses, problems_against
-from vendor_sources import TPU_RELEASE, WHEELS, Found, WheelSources, shape, tpu_wheel_path
-from vendor_uses import Use
 
 PUBLIC_API = "torch_tpu._internal.public_api"
 #: the torch releases the tpu backend runs on (torch-tpu 0.2.0's METADATA: torch>=2.11.0,<=2.15.0)
 TORCH_RANGE = ((2, 11), (2, 15))
 
-pytest_plugins = ("fakes.fixtures",)  # fixtures: make_fake_tpu
+pytest_plugins = ("support.fakes.fixtures",)  # fixtures: make_fake_tpu
 #: read once: tests that start from a clean environment drop every XSHARD_ variable
 WHEELS_REQUIRED = os.environ.get("XSHARD_REQUIRE_VENDOR_WHEELS") == "1"
 
@@ -167,8 +167,8 @@ def test_a_call_torch_tpu_would_refuse_fails_naming_it(tpu_wheel, exports, extra
 
 
 def test_torch_accelerator_has_every_name_and_keyword_the_tpu_backend_uses() -> None:
+    from support.vendor_sources import live_signature
     from test_vendor_conformance import _live
-    from vendor_sources import live_signature
 
     uses = [u for u in backend_uses() if u.name.startswith("torch.accelerator.")]
     assert uses
@@ -227,7 +227,7 @@ def test_internal_device_functions_are_the_ones_with_an_accelerator_twin(tpu_whe
 
 
 def test_fake_refuses_exactly_what_torch_tpu_keeps_internal(tpu_wheel) -> None:
-    from fakes.tpu import INTERNAL_SINCE
+    from support.fakes.tpu import INTERNAL_SINCE
 
     assert INTERNAL_SINCE == internal_since(tpu_wheel)
 
@@ -257,7 +257,7 @@ def test_fake_torch_tpu_offers_only_real_names_with_real_parameters(tpu_wheel, e
 
 
 def test_fake_accelerator_answers_have_torch_s_parameters(make_fake_tpu) -> None:
-    from fakes.tpu import PATCHED_ACCELERATOR, _saved_accelerator
+    from support.fakes.tpu import PATCHED_ACCELERATOR, _saved_accelerator
 
     make_fake_tpu()
     for name in PATCHED_ACCELERATOR:
@@ -267,7 +267,7 @@ def test_fake_accelerator_answers_have_torch_s_parameters(make_fake_tpu) -> None
 
 
 def test_fake_tpu_process_group_is_registered_as_torch_tpu_registers_it(tpu_wheel) -> None:
-    from fakes.tpu import TPU_REGISTRATION, _tpu_over_gloo
+    from support.fakes.tpu import TPU_REGISTRATION, _tpu_over_gloo
 
     real = _register_backend_calls(tpu_wheel)["tpu"]
     assert "extended_api" not in real and "extended_api" not in TPU_REGISTRATION

@@ -18,8 +18,14 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 import torch  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
-from xla_core_runs import assemble_shards, build_tiny, train_core_on_xla, train_on_cpu_backend, train_xla_fsdp  # noqa: E402
-from xla_replicas import run_replicas  # noqa: E402
+from support.xla_core_runs import (  # noqa: E402
+    assemble_shards,
+    build_tiny,
+    train_core_on_xla,
+    train_on_cpu_backend,
+    train_xla_fsdp,
+)
+from support.xla_replicas import run_replicas  # noqa: E402
 
 pytestmark = pytest.mark.xla
 # The PJRT runtime must start before this process runs its first backward (the CPU reference's):

@@ -23,9 +23,9 @@ import torch.nn.functional as F  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.debug.metrics as met  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
-from models import batch  # noqa: E402
+from support.models import batch  # noqa: E402
+from support.xla_core_runs import GLOBAL_BATCH, build_tiny, train_on_cpu_backend  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-from xla_core_runs import GLOBAL_BATCH, build_tiny, train_on_cpu_backend  # noqa: E402
 from xshard.backends.xla import OptimizerStepPatch  # noqa: E402
 
 import xshard  # noqa: E402

@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("torch_xla")
 
-from xla_graph_counts import start_step_save  # noqa: E402
-from xla_replicas import run_replicas  # noqa: E402
+from support.xla_graph_counts import start_step_save  # noqa: E402
+from support.xla_replicas import run_replicas  # noqa: E402
 
 pytestmark = pytest.mark.xla
 

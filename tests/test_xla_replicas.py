@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("torch_xla")
 
 import torch  # noqa: E402
-from collective_checks import assert_collective_results  # noqa: E402
-from xla_replicas import run_replicas  # noqa: E402
+from support.collective_checks import assert_collective_results  # noqa: E402
+from support.xla_replicas import run_replicas  # noqa: E402
 
 pytestmark = pytest.mark.xla
 

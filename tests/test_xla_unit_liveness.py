@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("torch_xla")
 
-from xla_replicas import run_replicas  # noqa: E402
-from xla_unit_liveness import forward_hlo, summary  # noqa: E402
+from support.xla_replicas import run_replicas  # noqa: E402
+from support.xla_unit_liveness import forward_hlo, summary  # noqa: E402
 
 pytestmark = pytest.mark.xla
 

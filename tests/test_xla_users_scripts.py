@@ -31,7 +31,7 @@ XLA_ENV = {"XSHARD_BACKEND": "xla", "PJRT_DEVICE": "CPU"}
 
 def _run(cmd: list[str], env: dict[str, str], timeout: int = 600) -> str:
     """``cmd`` from the repository root, once; it must succeed."""
-    from xla_replicas import run_command
+    from support.xla_replicas import run_command
 
     proc = run_command(cmd, {**os.environ, **env}, timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -84,7 +84,7 @@ def test_the_readmes_two_device_command_runs_the_minimal_example_at_its_default_
 
 def _compiles(tmp_path: Path, steps: int, multiple: int) -> list[int]:
     pytest.importorskip("torch_xla")
-    out = _run([sys.executable, "tests/xla_compiles_run.py", "--output_dir", str(tmp_path / str(multiple)),
+    out = _run([sys.executable, "tests/support/xla_compiles_run.py", "--output_dir", str(tmp_path / str(multiple)),
                 "--max_steps", str(steps), "--per_device_train_batch_size", "2", "--model_max_length", "128",
                 "--learning_rate", "1e-3", "--logging_steps", "4", "--save_strategy", "no"],
                {**XLA_ENV, "XSHARD_STATIC_SHAPE_MULTIPLE": str(multiple)})
@@ -128,9 +128,9 @@ def test_an_optimizer_built_before_prepare_trains_the_device_parameters_or_is_re
 
 
 def _trainer_losses(model: Path, out: Path, backend_args: list[str], env: dict[str, str]) -> list[float]:
-    """tests/trainer_sft_script.py (an ordinary Trainer SFT script on xshard's Trainer) under `xshard launch`,
+    """tests/support/trainer_sft_script.py (an ordinary Trainer SFT script on xshard's Trainer) under `xshard launch`,
     one process; the per-step losses its trainer_state.json records."""
-    _run([sys.executable, "-m", "xshard", "launch", "tests/trainer_sft_script.py", "--model_name_or_path", str(model),
+    _run([sys.executable, "-m", "xshard", "launch", "tests/support/trainer_sft_script.py", "--model_name_or_path", str(model),
           "--data_path", "examples/qwen_finetune/data/alpaca_synthetic.json", "--max_records", "32",
           "--model_max_length", "96", "--output_dir", str(out), "--max_steps", "6",
           "--per_device_train_batch_size", "2", "--logging_steps", "1", "--save_steps", "6", "--report_to", "none",

@@ -4,7 +4,7 @@
 ``class XShardSFTTrainer(xshard.trainer.TrainerMixin, trl.SFTTrainer)``, TRL's own ``SFTConfig`` unchanged.
 The main process writes the training log to ``<output_dir>/log_history.json``::
 
-    python tests/trl_sft_script.py MODEL_DIR DATA_JSON OUTPUT_DIR
+    python tests/support/trl_sft_script.py MODEL_DIR DATA_JSON OUTPUT_DIR
 """
 
 from __future__ import annotations

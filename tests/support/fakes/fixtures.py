@@ -1,6 +1,6 @@
 """pytest fixtures over the fakes: import them into a test module to use them.
 
-    from fakes.fixtures import fake_npu, no_xla  # noqa: F401
+    from support.fakes.fixtures import fake_npu, no_xla  # noqa: F401
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ prompt tokens are masked out of the loss, a padding collator, ``Trainer(...).tra
 and ``save_model``. The only line that differs between the stock run and the xshard run is the import,
 chosen here by ``SFT_TRAINER=stock|xshard`` (default xshard) so that the tests can run both::
 
-    xshard launch --nproc 2 tests/trainer_sft_script.py --model_name_or_path tiny --data_path data.json \\
+    xshard launch --nproc 2 tests/support/trainer_sft_script.py --model_name_or_path tiny --data_path data.json \\
         --output_dir out --max_steps 8 --per_device_train_batch_size 2 --logging_steps 1
 
 ``--lora_r R`` trains a PEFT LoRA adapter instead of the whole model. ``--resume_from_checkpoint true`` resumes from the newest checkpoint in ``--output_dir``. With

@@ -11,7 +11,8 @@ import contextlib
 from typing import Any
 
 import torch
-from models import batch, make_qwen2, make_tiny, param_groups
+
+from support.models import batch, make_qwen2, make_tiny, param_groups
 
 CASE: dict[str, Any] = dict(
     stage=3, policy="transformer", model="tiny", tie=True, frozen=False, frozen_prefix=False, reuse=False, steps=3, micro=1, clip=None,

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch_xla.debug.metrics as met
 from xshard.backends.xla import XLABackend
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "qwen_finetune"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "qwen_finetune"))
 import finetune_loop  # noqa: E402
 
 counts: list[int] = []

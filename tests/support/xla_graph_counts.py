@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _compiles(world_size: int) -> int:

@@ -14,7 +14,8 @@ import threading
 from typing import Any
 
 import torch
-from models import Block, batch, make_tiny
+
+from support.models import Block, batch, make_tiny
 
 GLOBAL_BATCH = 4
 LR = 1e-2

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_replicas(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> list[Any]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: opcodes that pass a buffer on without computing a new value from it
 _PASS_THROUGH = {"reshape", "slice", "bitcast", "transpose", "get-tuple-element", "tuple", "opt-barrier", "copy",
                  "convert", "dynamic-slice", "broadcast"}

@@ -1,6 +1,6 @@
 """Run one of Accelerate's own test scripts with xshard's Accelerator in place of Accelerate's (test-only).
 
-    xshard launch --nproc 2 tests/accelerate_shim.py SCRIPT [FUNCTION ...]
+    xshard launch --nproc 2 tests/support/accelerate_shim.py SCRIPT [FUNCTION ...]
 
 SCRIPT is a path inside the installed accelerate package (``accelerate/test_utils/scripts/...``), run
 from where it is installed. Before it is imported, ``accelerate.Accelerator`` (and the same name in

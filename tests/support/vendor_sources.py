@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-WHEELS = Path(os.environ.get("XSHARD_VENDOR_WHEELS", Path(__file__).resolve().parent.parent / ".cache" / "vendor-wheels"))
+WHEELS = Path(os.environ.get("XSHARD_VENDOR_WHEELS", Path(__file__).resolve().parents[2] / ".cache" / "vendor-wheels"))
 #: the torch-npu release for the torch xshard is tested with (the Makefile names the same one)
 NPU_RELEASE = os.environ.get("XSHARD_NPU_RELEASE", "2.13.0")
 #: the torch-tpu (TorchTPU) release the tpu backend is written against (the Makefile names the same one)
