@@ -415,13 +415,21 @@ def _ranks_where(job: JobState, *flags: bool) -> list[int]:
     return _sum_over_ranks(job, [1 if f else 0 for f in flags])
 
 
+#: every agreement of a save or a load sends this many values (padded with zeros): one all-reduce of
+#: one shape, which a compiling device (XLA) compiles once instead of once per count of values
+_AGREEMENT_WIDTH = 4
+
+
 def _sum_over_ranks(job: JobState, values: list[int]) -> list[int]:
     """Each value summed over the ranks, exactly (int64: byte counts), the same answer on every rank."""
     if job.world_size == 1:
         return [int(v) for v in values]
-    total = torch.tensor([int(v) for v in values], dtype=torch.int64, device=job.backend.device())
+    if len(values) > _AGREEMENT_WIDTH:
+        raise ValueError(f"an agreement carries at most {_AGREEMENT_WIDTH} values, got {len(values)}")
+    padded = [int(v) for v in values] + [0] * (_AGREEMENT_WIDTH - len(values))
+    total = torch.tensor(padded, dtype=torch.int64, device=job.backend.device())
     job.backend.collectives.all_reduce(total, op="sum")
-    return [int(v) for v in total.tolist()]
+    return [int(v) for v in total.tolist()[:len(values)]]
 
 
 def _agree(job: JobState, error: BaseException | None, root: Path) -> None:
