@@ -37,7 +37,8 @@ def _gather_buckets(units: list[Unit], device_is_compiled: bool, keep: bool,
     """id(user Parameter) -> full CPU tensor for every parameter of ``units`` (empty if not ``keep``).
 
     Units' rows are packed, per buffer dtype, into buckets of one fixed size, each gathered with one
-    all-gather: peak memory is one bucket (``world_size`` times ``GATHER_BUCKET_BYTES``), not the model.
+    all-gather: peak memory is one bucket (``world_size`` times ``GATHER_BUCKET_BYTES``, or the dtype's
+    rows when fewer), not the model.
     On a compiled device (XLA) the bucket is packed on the host and sent as data, so every bucket of a
     dtype is the same graph (an all-gather of a fixed-size input): a save compiles one graph per dtype,
     not one per unit. ``mark_step`` (the backend's) runs right after each all-gather: each later read
@@ -51,7 +52,11 @@ def _gather_buckets(units: list[Unit], device_is_compiled: bool, keep: bool,
     full: dict[int, torch.Tensor] = {}
     for dtype, entries in planned.items():
         itemsize = torch.empty((), dtype=dtype).element_size()
-        capacity = _aligned(max(GATHER_BUCKET_BYTES // itemsize, max(layout.row_numel for _, layout in entries)))
+        # a bucket as large as the whole dtype's rows when they are fewer (a small model allocates no
+        # 64 MiB per rank); still one size per dtype, so still one graph per dtype on XLA
+        needed = sum(_aligned(layout.row_numel) for _, layout in entries)
+        capacity = _aligned(max(min(GATHER_BUCKET_BYTES // itemsize, needed),
+                                max(layout.row_numel for _, layout in entries)))
         bucket: list[tuple[Unit, Any]] = []
         filled = 0
         for unit, layout in entries:
