@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .compile_boundary import eager_under_compile
+
 if TYPE_CHECKING:  # types only: the core imports nothing of the device layer at run time
     from xshard.backends import Collectives
 
@@ -39,7 +41,7 @@ class BufferSync:
             self._handle.remove()
             self._handle = None
 
-    @torch.compiler.disable
+    @eager_under_compile
     def _pre_forward(self, module: nn.Module, args: object) -> None:
         if self.alone():
             return
