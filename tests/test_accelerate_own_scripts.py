@@ -11,7 +11,9 @@ Run, and what they check:
   ``trigger_sync_in_backward`` on the last, ``accumulate`` with an optimizer and a scheduler (learning
   rates and gradients against a single-process model on the gathered batch), which data loader
   ``gradient_state`` reports while nested loaders run.
-- ``test_script.py``: ``process_execution_check`` (``main_process_first``, the ``on_*process``
+- ``test_script.py``: ``training_check`` at stage 0, with and without Accelerate's seedable sampler (a
+  shuffled loader with the script's own ``torch.Generator`` trains the same scalars as one process on
+  the whole batch), ``process_execution_check`` (``main_process_first``, the ``on_*process``
   decorators) and ``custom_sampler_check`` (a loader with a custom batch sampler, through Accelerate's
   ``prepare_data_loader`` over the ``AcceleratorState`` xshard fills), at stage 3.
 
@@ -20,9 +22,7 @@ Known gaps, run as strict xfails with the failure they show (``KnownGap``), so a
   model's. At stages 1-3 ``param.grad`` holds this rank's rows of the reduced gradient after a
   window and is None inside one (the gradients are held whole in the core until the window ends, as
   FSDP2 holds them unsharded), see the README's "Stages 1-3: what a script sees".
-- ``training_check`` of ``test_script.py``: at stage 0 its shuffled loader's order comes from the
-  loader's ``torch.Generator``; xshard's shuffle comes from the Accelerator's seed (README: shuffled
-  loaders), so the trained scalars differ; at stage 3 ``unwrap_model(model).a`` is this rank's rows
+- ``training_check`` of ``test_script.py`` at stage 3: ``unwrap_model(model).a`` is this rank's rows
   of the scalar (shape (1,) on rank 0), which ``torch.testing.assert_close`` refuses by shape.
 
 Excluded (functions that build Accelerate's internal objects, or need what this machine lacks):
@@ -103,11 +103,12 @@ def test_script_process_and_custom_sampler_checks_at_stage_3(tmp_path):
     _passed(_launch(tmp_path, 3, "test_script.py", *functions), *functions)
 
 
-@pytest.mark.xfail(raises=KnownGap, strict=True, reason="the shuffle comes from the Accelerator's seed, "
-                   "not the loader's generator")
 def test_script_training_check_at_stage_0(tmp_path):
-    _known(_launch(tmp_path, 0, "test_script.py", "training_check"), "Did not obtain the same model",
-           "Scalars are not close")
+    """The loader's own ``torch.Generator`` (and Accelerate's ``SeedableRandomSampler`` over it) decides
+    the shuffle: the ranks' batches together are a single process's batches, so the trained scalars
+    equal the single-process run's."""
+    functions = ("training_check", "training_check:use_seedable_sampler=True")
+    _passed(_launch(tmp_path, 0, "test_script.py", *functions), *functions)
 
 
 @pytest.mark.xfail(raises=KnownGap, strict=True, reason="unwrap_model parameters hold this rank's rows at stage 3")

@@ -132,6 +132,7 @@ def _cases_worker(rank, world_size, folder):
         "accumulation": _accumulation_worker(rank, world_size),
         "fp16_skip": _fp16_skip_worker(rank, world_size),
         "checkpoint": _checkpoint_worker(rank, world_size, folder),
+        "drawn_order": _drawn_order_worker(rank, world_size, folder.parent / "drawn"),
         "api": _api_worker(rank, world_size),
     }
 
@@ -278,6 +279,42 @@ def test_save_and_load_state_resume_mid_epoch_exactly(two_ranks):
         torch.testing.assert_close(resumed[key], value, rtol=0, atol=0)
     assert not (folder.parent / "ckpt.tmp").exists() and not (folder.parent / "ckpt.old").exists()
     assert any("inside an accumulation window" in m for m in warned)  # saved again over it, with a warning
+
+
+def _generator_loader(seed: int, batch: int) -> DataLoader:
+    """A shuffled loader with its own seeded ``torch.Generator`` over the sample numbers 0..N-1."""
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return DataLoader(TensorDataset(torch.arange(N)), batch_size=batch, shuffle=True, generator=generator)
+
+
+def _drawn_order_worker(rank, world_size, folder):
+    import xshard
+
+    acc = xshard.Accelerator(config={"stage": 0}, seed=0)
+    loader = acc.prepare(_generator_loader(100 + rank, BATCH))  # seeded apart: rank 0's generator decides
+    epochs = [[b[0].tolist() for b in loader] for _ in range(2)]
+    it = iter(loader)
+    head = [next(it)[0].tolist() for _ in range(3)]
+    acc.save_state(folder)
+    tail = [b[0].tolist() for b in it]
+    acc2 = xshard.Accelerator(config={"stage": 0}, seed=0)
+    resumed = acc2.prepare(_generator_loader(7, BATCH))
+    acc2.load_state(folder)
+    return epochs, head, tail, [b[0].tolist() for b in resumed]
+
+
+@pytest.mark.multiprocess
+def test_a_loader_with_its_own_generator_splits_the_order_one_process_draws_from_rank_0s(two_ranks):
+    """``DataLoader(shuffle=True, generator=g)``: batch k of the ranks together is batch k of one process
+    drawing from rank 0's generator with the whole batch, epoch after epoch (Accelerate's
+    ``training_check``), and a resume mid-epoch draws the rest of that epoch's order again."""
+    (epochs0, head0, tail0, resumed0), (epochs1, head1, tail1, resumed1) = two_ranks["drawn_order"]
+    single = _generator_loader(100, BATCH * WORLD)
+    for mine, theirs in ((epochs0[0], epochs1[0]), (epochs0[1], epochs1[1]), (head0 + tail0, head1 + tail1)):
+        expected = [sorted(b[0].tolist()) for b in single]
+        assert [sorted(a + b) for a, b in zip(mine, theirs, strict=True)] == expected
+    assert (resumed0, resumed1) == (tail0, tail1)
 
 
 def _api_worker(rank, world_size):

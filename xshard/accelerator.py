@@ -392,10 +392,19 @@ class Accelerator:
             seed=self._data_seed if self._data_seed is not None else self.seed,
             wrap=self.backend.wrap_dataloader, shard=shard, split_batches=self.job.split_batches,
             non_blocking=self._non_blocking, pad_to_multiple_of=self.pad_to_multiple_of,
+            agree=self._main_process_value,
         )
         self.job.loaders.append(prepared)
         self._fill_auto_batch(prepared)
         return prepared
+
+    def _main_process_value(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``tensor`` on every rank (same shape and dtype everywhere), where ``tensor`` is."""
+        if self.world_size == 1:
+            return tensor
+        on_device = tensor.to(self.device)
+        self.backend.collectives.broadcast(on_device, src=0)
+        return on_device.to(tensor.device)
 
     # ------------------------------------------------------------------ the training step
     @contextlib.contextmanager

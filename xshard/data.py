@@ -1,7 +1,8 @@
 """Data loading for data-parallel jobs: one disjoint slice per rank, batches on the right device.
 
 ``ShardSampler`` gives rank ``r`` of ``W`` the indices ``order[r::W]`` of a per-epoch order (a seeded
-shuffle, or 0..n-1). Interleaving matters: batch ``k`` of every rank together is exactly batch ``k`` of
+shuffle, the order the loader's own sampler draws when it brings its own randomness, or 0..n-1; see
+``DrawnOrder``). Interleaving matters: batch ``k`` of every rank together is exactly batch ``k`` of
 a single process whose batch size is ``W`` times larger, so a sharded run can be checked against a
 single-process run on the full batch.
 
@@ -35,6 +36,65 @@ from .sharding.trees import map_leaves
 log = get_logger("xshard.data")
 
 
+class DrawnOrder:
+    """Each epoch's order drawn from the user's own shuffling sampler, as one process would draw it.
+
+    Used for a ``RandomSampler`` that brings its own randomness: a ``generator``
+    (``DataLoader(shuffle=True, generator=g)``) or an epoch-seeded sampler with ``set_epoch``
+    (Accelerate's ``SeedableRandomSampler``). A script that seeds ``g`` expects the order to follow
+    ``g``: the union of the ranks' batches is then the batch a single process draws with the same
+    generator (Accelerate's ``training_check`` asserts this). Before each epoch's draw the generator
+    takes rank 0's state (``agree``), as Accelerate synchronises it, so ranks seeded apart still
+    split one order. The state the draw started from is checkpointed (``state_dict``), so a resumed
+    run draws the same order for its epoch again.
+
+    A ``RandomSampler`` without a generator keeps xshard's seeded shuffle (``seed + epoch``): its
+    single-process order would come from the global RNG, which ranks do not share and a resume
+    cannot replay.
+    """
+
+    def __init__(self, sampler: RandomSampler, agree: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.sampler = sampler
+        self.agree = agree
+        self.epoch: int | None = None  # the epoch whose order is cached
+        self.order: list[int] = []
+        self.start_state: torch.Tensor | None = None  # the generator's state before that epoch's draw
+        self.restored_state: torch.Tensor | None = None  # from a checkpoint, for the next draw
+
+    @staticmethod
+    def applies_to(sampler: Sampler[int]) -> bool:
+        """True for a ``RandomSampler`` with its own generator or its own ``set_epoch``."""
+        return isinstance(sampler, RandomSampler) and (
+            sampler.generator is not None or callable(getattr(sampler, "set_epoch", None)))
+
+    def order_of(self, epoch: int) -> list[int]:
+        """Epoch ``epoch``'s order over the dataset (drawn once per epoch, the same on every rank)."""
+        if epoch != self.epoch:
+            generator = self.sampler.generator
+            if generator is not None:
+                if self.restored_state is not None:
+                    generator.set_state(self.restored_state)
+                    self.restored_state = None
+                else:
+                    generator.set_state(self.agree(generator.get_state()))
+                self.start_state = generator.get_state()
+            set_epoch = getattr(self.sampler, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
+            self.order, self.epoch = list(iter(self.sampler)), epoch
+        return self.order
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The generator state this epoch's order was drawn from (empty before any draw)."""
+        return {} if self.start_state is None else {"generator_state": self.start_state}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Draw the restored epoch's order again from the saved generator state."""
+        if "generator_state" in state:
+            self.restored_state = state["generator_state"]
+            self.epoch = None
+
+
 class ShardSampler(Sampler[int]):
     """Rank ``rank`` of ``num_replicas``: a disjoint, deterministic slice of each epoch's order.
 
@@ -46,11 +106,12 @@ class ShardSampler(Sampler[int]):
         drop_last: drop the tail that does not divide evenly over ranks; otherwise the order is
             padded by wrapping around, so every rank gets the same number of samples (a rank with
             fewer batches would leave the others waiting in a collective).
+        drawn: each epoch's order drawn from the user's sampler instead (``DrawnOrder``).
     """
 
     def __init__(
         self, length: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = False, seed: int = 0,
-        drop_last: bool = False,
+        drop_last: bool = False, drawn: DrawnOrder | None = None,
     ) -> None:
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"ShardSampler: rank {rank} is not in a world of {num_replicas}")
@@ -60,6 +121,7 @@ class ShardSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = int(seed)
         self.drop_last = drop_last
+        self.drawn = drawn
         self.epoch = 0
         self.start = 0  # samples of this rank's slice to skip (resume mid-epoch)
 
@@ -76,7 +138,9 @@ class ShardSampler(Sampler[int]):
 
     def order(self) -> list[int]:
         """This epoch's order over the whole dataset, trimmed or padded to a multiple of the world."""
-        if self.shuffle:
+        if self.drawn is not None:
+            order = list(self.drawn.order_of(self.epoch))
+        elif self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.length, generator=g).tolist()
@@ -201,14 +265,20 @@ class ShardedDataLoader:
             self.epoch = int(epoch)
             self.batches_consumed = 0
 
-    def state_dict(self) -> dict[str, int]:
-        """Where this loader is: ``{"epoch", "batches_consumed"}`` (the same on every rank)."""
-        return {"epoch": self.epoch, "batches_consumed": self.batches_consumed}
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader is: ``{"epoch", "batches_consumed"}`` (the same on every rank), and the
+        ``generator_state`` its epoch's order was drawn from when the user's sampler draws it."""
+        state: dict[str, Any] = {"epoch": self.epoch, "batches_consumed": self.batches_consumed}
+        if self.sampler is not None and self.sampler.drawn is not None:
+            state.update(self.sampler.drawn.state_dict())
+        return state
 
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at ``state``: the next pass starts after ``batches_consumed`` batches of ``epoch``."""
         self.epoch = int(state["epoch"])
         self.batches_consumed = int(state["batches_consumed"])
+        if self.sampler is not None and self.sampler.drawn is not None:
+            self.sampler.drawn.load_state_dict(state)
 
     def real_counts(self) -> tuple[list[int], int] | None:
         """(per rank, the real samples of the batch in use; the batch's samples per rank): the others
@@ -302,11 +372,14 @@ def shard_data_loader(
     split_batches: bool = False,
     non_blocking: bool | None = None,
     pad_to_multiple_of: int | None = None,
+    agree: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
 ) -> ShardedDataLoader:
     """Give ``loader`` a ``ShardSampler`` for this rank and device placement.
 
     The sampler shuffles (with ``seed``) when the loader's sampler is a ``RandomSampler`` (i.e.
-    ``shuffle=True``) and keeps the dataset order otherwise. ``loader.batch_size`` is per rank.
+    ``shuffle=True``) and keeps the dataset order otherwise; a ``RandomSampler`` with its own
+    generator (or ``set_epoch``) draws each epoch's order itself, its generator first given rank 0's
+    state by ``agree`` (a broadcast from rank 0; ``DrawnOrder``). ``loader.batch_size`` is per rank.
     ``wrap`` is the backend's ``wrap_dataloader`` (XLA's MpDeviceLoader). ``shard=False`` only
     places batches (for a loader the caller already sharded). ``split_batches``: ``batch_size`` is
     the global batch, and each rank takes ``batch_size / num_replicas`` of it (Accelerate's
@@ -351,6 +424,7 @@ def shard_data_loader(
     sampler = ShardSampler(
         len(cast(Sized, loader.dataset)), num_replicas=num_replicas, rank=rank,
         shuffle=isinstance(loader.sampler, RandomSampler), seed=seed, drop_last=loader.drop_last,
+        drawn=DrawnOrder(loader.sampler, agree) if DrawnOrder.applies_to(loader.sampler) else None,
     )
     return ShardedDataLoader(_rebuild(loader, sampler, batch_size, pad_to_multiple_of), device, sampler, wrap,
                              non_blocking)

@@ -8,10 +8,12 @@ from where it is installed. Before it is imported, ``accelerate.Accelerator`` (a
 the scripts' assertions judge xshard. An xshard Accelerator is built first, so that Accelerate's
 ``PartialState`` describes this job (``xshard.state.share_with_accelerate``) for the functions that
 read it. Without FUNCTION the script runs as ``__main__``; with them, only those functions run, in order.
+A FUNCTION written ``name:key=value`` is called with that keyword argument (``value`` a Python literal).
 """
 
 from __future__ import annotations
 
+import ast
 import runpy
 import sys
 
@@ -32,9 +34,11 @@ def main() -> None:
         runpy.run_path(script, run_name="__main__")
     else:
         namespace = runpy.run_path(script, run_name="accelerate_script")
-        for name in functions:
-            namespace[name]()
-            print(f"SHIM PASSED {name}", flush=True)
+        for call in functions:
+            name, _, argument = call.partition(":")
+            key, _, value = argument.partition("=")
+            namespace[name](**({key: ast.literal_eval(value)} if argument else {}))
+            print(f"SHIM PASSED {call}", flush=True)
     print("SHIM DONE", flush=True)
 
 

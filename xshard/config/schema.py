@@ -97,7 +97,8 @@ class XShardConfig:
     forward_prefetch: bool = _opt(True, "gather the next unit before this unit's forward runs")
     max_inflight_all_gathers: int = _opt(2, "units gathered at once (current + prefetched)")
     mixed_precision: str = _opt("no", "compute dtype: no (fp32), bf16 or fp16; master weights stay fp32")
-    reduce_dtype: str | None = _opt(None, "gradient reduce dtype: fp32, bf16, fp16 (null: the compute dtype)")
+    reduce_dtype: str | None = _opt(None, "gradient reduce dtype: fp32, bf16, fp16 (null: the compute dtype at stages 1-3, "
+                                      "the gradient's own at stage 0, as DDP)")
     keep_norms_fp32: bool = _opt(False, "norm layers compute in fp32 under mixed precision")
     offload_params: bool = _opt(False, "keep parameter and gradient shards in host memory")
     offload_optimizer: bool = _opt(False, "keep optimizer state in host memory (the optimizer steps on the CPU)")

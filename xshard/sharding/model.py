@@ -120,8 +120,9 @@ class ShardedModel(nn.Module):
 
             for spec in (ps for unit in specs for ps in unit.params):
                 rehome(spec, spec.param.detach().to(device), self._rt.rebound)
-            self._engine = ReplicatedEngine(module, self.collectives, options.bucket_size_mb,
-                                            precision.reduce_dtype or precision.param_dtype)
+            # Stage 0 is DDP: under autocast the gradients are fp32 and DDP reduces them as they are;
+            # reduce_dtype asks for fewer bytes (as DDP's bf16 compression hook does).
+            self._engine = ReplicatedEngine(module, self.collectives, options.bucket_size_mb, precision.reduce_dtype)
         self._num_units = len(specs)
         log.info("%s: %d unit(s); %s", type(module).__name__, len(specs), plan.describe())
         self._layouts = self._collect_layouts()

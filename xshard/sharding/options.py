@@ -73,7 +73,8 @@ class ShardingOptions:
         all-gathers by about two thirds at no CPU cost (benchmarks/sharding_vs_peers.py --profile). ``max_inflight_all_gathers`` bounds the units gathered at once
         (stage 3: non-root units holding full parameters; stages 1-2: gathers in flight).
     param_dtype / reduce_dtype / buffer_dtype: compute (and all-gather) dtype, gradient
-        reduce dtype (default: param_dtype), buffer dtype; None keeps the model's dtype. The
+        reduce dtype (default: param_dtype at stages 1-3, the gradient's own at stage 0 as DDP),
+        buffer dtype; None keeps the model's dtype. The
         user's parameters keep their dtype (fp32 master shards that the optimizer steps).
     autocast: the forward runs under the backend's autocast in ``param_dtype`` (default on), so
         numerically sensitive ops (softmax, norms, losses) stay in fp32 as with torch.autocast;

@@ -63,7 +63,8 @@ class PrecisionPolicy:
     outside the core; it sets ``output_dtype`` through the options.
 
     param_dtype: dtype of the full compute copies (stages 1-3) and of autocast; None: the model's.
-    reduce_dtype: dtype gradients are reduced in; None: param_dtype (else the gradient's own).
+    reduce_dtype: dtype gradients are reduced in; None: param_dtype at stages 1-3 (FSDP's MixedPrecision;
+        else the gradient's own), the gradient's own at stage 0 (DDP's fp32 gradients under autocast).
     buffer_dtype: dtype floating buffers are cast to; None: unchanged.
     output_dtype: dtype floating outputs of the root forward are cast to; None: unchanged.
     autocast: run the forward under the backend's autocast in param_dtype (softmax, norms and losses
