@@ -16,8 +16,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .compile_boundary import eager_under_compile
-
 if TYPE_CHECKING:  # types only: the core imports nothing of the device layer at run time
     from xshard.backends import Collectives
 
@@ -41,7 +39,7 @@ class BufferSync:
             self._handle.remove()
             self._handle = None
 
-    @eager_under_compile
+    @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: object) -> None:
         if self.alone():
             return

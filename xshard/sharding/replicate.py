@@ -40,7 +40,6 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from .compile_boundary import eager_under_compile
 from .engine import Engine
 from .unit import used_flags
 
@@ -118,7 +117,7 @@ class ReplicatedEngine(Engine):
             pos += p.numel()
         return _Bucket(index, params, offsets, pos, {id(p): off for p, off in zip(params, offsets, strict=True)})
 
-    @eager_under_compile
+    @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: object) -> None:
         if tuple(p.requires_grad for p in self._params) != self._signature:
             self._build()
@@ -146,7 +145,7 @@ class ReplicatedEngine(Engine):
         offset = bucket.offset_of[id(p)]
         return bucket.flat[offset:offset + p.numel()].view_as(p)
 
-    @eager_under_compile
+    @torch.compiler.disable
     def _on_grad(self, p: nn.Parameter) -> None:
         bucket = self._bucket_of[id(p)]
         self._move_into_bucket(bucket, p)
@@ -193,7 +192,7 @@ class ReplicatedEngine(Engine):
         bucket.handle = self.collectives.all_reduce(flat, op="avg", async_op=True,
                                                     tag=f"all-reduce of gradient bucket {bucket.index}")
 
-    @eager_under_compile
+    @torch.compiler.disable
     def _finish_backward(self) -> None:
         self._callback_queued = False
         while self._next_launch < len(self.buckets):  # buckets that never filled, in order

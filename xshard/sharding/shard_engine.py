@@ -17,7 +17,7 @@ on the autograd engine finishes what did not fire (units without grad-requiring 
 units skipped in this step), in a fixed order, reduces every unit when the plan reduces at the end of
 backward, waits for the reduces and writes each rank's gradient shard into ``param.grad``.
 
-torch.compile: the hooks are ``run eagerly under compile (``compile_boundary``: ``torch.compiler.disable`` without importing Dynamo before a compile), so a compiled model (or compiled blocks)
+torch.compile: the hooks are ``torch.compiler.disable``d, so a compiled model (or compiled blocks)
 runs them eagerly at graph breaks around each unit, and the compiled graphs see ordinary Parameters
 (the full copies, the same objects every step, so no recompilation).
 
@@ -37,7 +37,6 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
-from .compile_boundary import eager_under_compile
 from .engine import Engine
 from .options import ShardingOptions
 from .plan import ReduceTiming, ShardingPlan
@@ -124,7 +123,7 @@ class ShardedEngine(Engine):
             return []
 
     # ------------------------------------------------------------------ forward
-    @eager_under_compile
+    @torch.compiler.disable
     def _pre_forward(self, unit: Unit, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                      ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if self._summoned:
@@ -153,7 +152,7 @@ class ShardedEngine(Engine):
             args, kwargs = replace_grad_tensors((args, kwargs), lambda ts: _PostBackward.apply(callback, *ts))
         return args, kwargs
 
-    @eager_under_compile
+    @torch.compiler.disable
     def _post_forward(self, unit: Unit, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self._summoned or unit.backward is BackwardState.RUNNING:
             return None
@@ -188,7 +187,7 @@ class ShardedEngine(Engine):
             self._callback_queued = True
             Variable._execution_engine.queue_callback(self._finish_backward)
 
-    @eager_under_compile
+    @torch.compiler.disable
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
         self._queue_final_callback()
         if unit.backward is not BackwardState.IDLE:
@@ -200,7 +199,7 @@ class ShardedEngine(Engine):
         if self.backward_prefetch == "pre":
             self._prefetch(self._after(unit, self.order[::-1]))
 
-    @eager_under_compile
+    @torch.compiler.disable
     def _post_backward(self, unit: Unit) -> None:
         unit.pending_backward_calls -= 1
         if unit.pending_backward_calls <= 0:
@@ -229,7 +228,7 @@ class ShardedEngine(Engine):
         if pending is not None:
             self._reduces.append(pending)
 
-    @eager_under_compile
+    @torch.compiler.disable
     def _finish_backward(self) -> None:
         self._callback_queued = False
         for unit in reversed(self.units):  # fixed order: the same collectives on every rank
