@@ -135,7 +135,13 @@ class Accelerator:
                       log_level if log_level is not None else self.config.log_level,  # file < env < argument
                       log_level_replica, log_on_each_node)
         self.backend.init_process_group(timeout=timeout if timeout is not None else self.config.timeout)
-        self.device: torch.device = self.backend.device()
+        #: the job's facts (rank, world size, device, barrier: the properties below ask it), prepared
+        #: objects, step counters and the accumulation window (see ``xshard.job``)
+        self.job = JobState(
+            backend=self.backend, config=self.config, device=self.backend.device(),
+            gradient_accumulation_steps=int(self.config.gradient_accumulation_steps),
+            gradient_clipping=float(self.config.gradient_clipping or 0.0),
+        )
         log.info("backend %s (%s) on %s, %d process(es)", self.backend.name, selection.reason, self.device,
                  world.world_size)
 
@@ -146,12 +152,6 @@ class Accelerator:
         if self.seeded:
             self._seed_everything(self.seed)
 
-        #: prepared objects, step counters and the accumulation window (see ``xshard.job``)
-        self.job = JobState(
-            backend=self.backend, config=self.config,
-            gradient_accumulation_steps=int(self.config.gradient_accumulation_steps),
-            gradient_clipping=float(self.config.gradient_clipping or 0.0),
-        )
         self._scaler_settings = dict(compat.scaler_kwargs)  # GradScalerKwargs
         #: the job's mixed precision: dtypes, autocast, backward and the fp16 scaler (``xshard.precision``)
         self.precision: Precision = self._choose_precision(self.config.mixed_precision)
@@ -162,31 +162,36 @@ class Accelerator:
         self._setup_accelerate(compat, origin, ds_config)
         mark_accelerator_built(self.rank)  # xshard launch: this job runs on xshard
 
-    # ------------------------------------------------------------------ facts
+    # ------------------------------------------------------------------ facts (answered by the JobState)
     @property
     def rank(self) -> int:
         """Global rank of this process."""
-        return self.backend.world.rank
+        return self.job.rank
 
     @property
     def world_size(self) -> int:
         """Number of processes in the job."""
-        return self.backend.world.world_size
+        return self.job.world_size
 
     @property
     def local_rank(self) -> int:
         """Rank of this process on its node."""
-        return self.backend.world.local_rank
+        return self.job.local_rank
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process computes on."""
+        return self.job.device
 
     @property
     def is_main_process(self) -> bool:
         """True on global rank 0."""
-        return self.rank == 0
+        return self.job.is_main_process
 
     @property
     def is_local_main_process(self) -> bool:
         """True on local rank 0 of each node."""
-        return self.local_rank == 0
+        return self.job.is_local_main_process
 
     @property
     def sync_gradients(self) -> bool:
@@ -503,8 +508,7 @@ class Accelerator:
 
     def wait_for_everyone(self) -> None:
         """Barrier: every rank waits until all reach this point."""
-        if self.world_size > 1:
-            self.backend.collectives.barrier()
+        self.job.barrier()
 
     @contextlib.contextmanager
     def main_process_first(self) -> Iterator[None]:
@@ -607,12 +611,12 @@ class Accelerator:
     @property
     def is_last_process(self) -> bool:
         """True on the highest global rank."""
-        return self.rank == self.world_size - 1
+        return self.job.is_last_process
 
     @property
     def use_distributed(self) -> bool:
         """True when the job has more than one process."""
-        return self.world_size > 1
+        return self.job.use_distributed
 
     @property
     def split_batches(self) -> bool:
@@ -683,7 +687,7 @@ class Accelerator:
     @property
     def multi_device(self) -> bool:
         """True when the job has more than one process."""
-        return self.world_size > 1
+        return self.job.use_distributed
 
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:

@@ -228,6 +228,8 @@ class AcceleratorState:
 
     def __init__(self, accelerator: Any, origin: str, ds_config: dict[str, Any] | None) -> None:
         self._acc = accelerator
+        #: where this process sits: the job's facts, asked of its ``JobState`` (their one owner)
+        self._job: JobState = accelerator.job
         self._origin = origin
         self._fsdp = FSDPPluginView(accelerator.config)
         self._ds = DeepSpeedPluginView(accelerator.config, ds_config or {}) if origin == "deepspeed" else None
@@ -241,7 +243,7 @@ class AcceleratorState:
 
         if ShardingPlan.for_stage(acc.config.stage).shard_parameters:
             return DistributedType.FSDP
-        if acc.world_size == 1:
+        if not self._job.use_distributed:
             return DistributedType.NO
         device_type = acc.backend.device_type
         return _DATA_PARALLEL.get(device_type, DistributedType(f"MULTI_{device_type.upper()}"))
@@ -256,19 +258,19 @@ class AcceleratorState:
 
     @property
     def num_processes(self) -> int:
-        return self._acc.world_size
+        return self._job.world_size
 
     @property
     def process_index(self) -> int:
-        return self._acc.rank
+        return self._job.rank
 
     @property
     def local_process_index(self) -> int:
-        return self._acc.local_rank
+        return self._job.local_rank
 
     @property
     def device(self) -> Any:
-        return self._acc.device
+        return self._job.device
 
     @property
     def mixed_precision(self) -> str:
@@ -280,22 +282,22 @@ class AcceleratorState:
 
     @property
     def is_main_process(self) -> bool:
-        return self._acc.is_main_process
+        return self._job.is_main_process
 
     @property
     def is_local_main_process(self) -> bool:
-        return self._acc.is_local_main_process
+        return self._job.is_local_main_process
 
     @property
     def is_last_process(self) -> bool:
-        return self._acc.rank == self._acc.world_size - 1
+        return self._job.is_last_process
 
     @property
     def use_distributed(self) -> bool:
-        return self._acc.world_size > 1
+        return self._job.use_distributed
 
     def wait_for_everyone(self) -> None:
-        self._acc.wait_for_everyone()
+        self._job.barrier()
 
     @property
     def is_fsdp2(self) -> bool:
