@@ -44,7 +44,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.utils.data import DataLoader
@@ -68,6 +68,9 @@ from .state import (
     share_with_accelerate,
     unshare_with_accelerate,
 )
+
+if TYPE_CHECKING:
+    from .config import XShardConfig
 
 log = get_logger("xshard.accelerator")
 
@@ -124,7 +127,8 @@ class Accelerator:
         origin, ds_config = config_origin(config, os.environ)
         backend = backend if backend is not None else compat.backend
         timeout = timeout if timeout is not None else compat.timeout
-        self.config = _load_config(config, overrides, self._auto_values(compat) if origin == "deepspeed" else None)
+        self.config: XShardConfig = _load_config(config, overrides,
+                                                 self._auto_values(compat) if origin == "deepspeed" else None)
         config_backend = None if self.config.backend == "auto" else self.config.backend
         selection = select(backend if backend is not None else config_backend)
         # The backend knows where this process sits in the job (torchrun's variables, or torch_xla's
@@ -137,7 +141,7 @@ class Accelerator:
         self.backend.init_process_group(timeout=timeout if timeout is not None else self.config.timeout)
         #: the job's facts (rank, world size, device, barrier: the properties below ask it), prepared
         #: objects, step counters and the accumulation window (see ``xshard.job``)
-        self.job = JobState(
+        self.job: JobState = JobState(
             backend=self.backend, config=self.config, device=self.backend.device(),
             gradient_accumulation_steps=int(self.config.gradient_accumulation_steps),
             gradient_clipping=float(self.config.gradient_clipping or 0.0),
@@ -147,19 +151,33 @@ class Accelerator:
 
         chosen_seed = seed if seed is not None else self.config.seed
         #: None when nothing seeds the processes; then prepare() broadcasts rank 0's weights
-        self.seeded = chosen_seed is not None
-        self.seed = int(chosen_seed) if chosen_seed is not None else 0  # also the data shuffle seed
+        self.seeded: bool = chosen_seed is not None
+        self.seed: int = int(chosen_seed) if chosen_seed is not None else 0  # also the data shuffle seed
         if self.seeded:
             self._seed_everything(self.seed)
 
-        self._scaler_settings = dict(compat.scaler_kwargs)  # GradScalerKwargs
+        self._scaler_settings: dict[str, Any] = dict(compat.scaler_kwargs)  # GradScalerKwargs
         #: the job's mixed precision: dtypes, autocast, backward and the fp16 scaler (``xshard.precision``)
         self.precision: Precision = self._choose_precision(self.config.mixed_precision)
-        self._ended = False
-        self._token = uuid.uuid4().hex
+        self._ended: bool = False
+        self._token: str = uuid.uuid4().hex  # names this Accelerator when pickled (``__reduce__``)
         _LIVE[self._token] = self
-        self._stale_guard = StaleParameterGuard()
-        self._setup_accelerate(compat, origin, ds_config)
+        self._stale_guard: StaleParameterGuard = StaleParameterGuard()
+        # Accelerate's arguments read by later calls (``xshard.config.accelerate_args``)
+        self._data_seed: int | None = compat.data_seed
+        self._non_blocking: bool | None = compat.non_blocking
+        self._autocast_enabled: bool = compat.autocast_enabled
+        self._flag: torch.Tensor | None = None  # raised by set_trigger, lowered by check_trigger
+        #: Accelerate's ProjectConfiguration (project_dir, logging_dir, automatic checkpoint naming):
+        #: xshard's or Accelerate's own class, read by its fields
+        self.project_configuration: Any = compat.project
+        self._tracker_choice: list[Any] = tracking.resolve(compat.log_with, self.logging_dir)
+        #: the running trackers (main process; after ``init_trackers``)
+        self.trackers: list[Any] = []
+        #: Accelerate's ``AcceleratorState`` and ``GradientState``, read from this job (``xshard.state``)
+        self.state: AcceleratorState = AcceleratorState(self, origin, self._resolve_ds_config(compat, ds_config))
+        self.gradient_state: GradientState = GradientState(self.job)
+        self._setup_accelerate(compat)
         mark_accelerator_built(self.rank)  # xshard launch: this job runs on xshard
 
     # ------------------------------------------------------------------ facts (answered by the JobState)
@@ -546,27 +564,21 @@ class Accelerator:
         values["per_device_train_batch_size"] = LATER
         return values
 
-    def _setup_accelerate(self, compat: AccelerateSettings, origin: str, ds_config: dict[str, Any] | None) -> None:
+    def _resolve_ds_config(self, compat: AccelerateSettings,
+                           ds_config: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The ds_config with its ``"auto"`` values filled (``_auto_values``), or None."""
+        if ds_config is None:
+            return None
+        from .config.auto import resolve_auto
+
+        return resolve_auto(ds_config, self._auto_values(compat), os.environ)
+
+    def _setup_accelerate(self, compat: AccelerateSettings) -> None:
         """Apply Accelerate's arguments to the job; name the ones with no meaning here in one warning."""
         job = self.job
         job.adjust_scheduler, job.sync_with_dataloader = compat.adjust_scheduler, compat.sync_with_dataloader
         job.sync_each_batch, job.split_batches = compat.sync_each_batch, compat.split_batches
         job.step_scheduler_with_optimizer = compat.step_scheduler_with_optimizer
-        self._data_seed, self._non_blocking = compat.data_seed, compat.non_blocking
-        self._autocast_enabled = compat.autocast_enabled
-        self._flag: torch.Tensor | None = None
-        #: Accelerate's ProjectConfiguration (project_dir, logging_dir, automatic checkpoint naming)
-        self.project_configuration = compat.project
-        self._tracker_choice = tracking.resolve(compat.log_with, self.logging_dir)
-        #: the running trackers (main process; after ``init_trackers``)
-        self.trackers: list[Any] = []
-        if ds_config is not None:
-            from .config.auto import resolve_auto
-
-            ds_config = resolve_auto(ds_config, self._auto_values(compat), os.environ)
-        #: Accelerate's ``AcceleratorState`` and ``GradientState``, read from this job (``xshard.state``)
-        self.state = AcceleratorState(self, origin, ds_config)
-        self.gradient_state = GradientState(job)
         use_barrier(self.wait_for_everyone)  # in_order logging takes turns at it
         share_with_accelerate(self)  # accelerate.logging.get_logger works beside this Accelerator
         if compat.ignored and self.is_main_process:
