@@ -49,7 +49,15 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch.utils.data import DataLoader
 
-from . import grads, metrics, project, saving, tracking
+from . import grads
+from .accelerate_compat import metrics, project, saving, tracking
+from .accelerate_compat.state import (
+    AcceleratorState,
+    DistributedType,
+    GradientState,
+    share_with_accelerate,
+    unshare_with_accelerate,
+)
 from .backends import Backend, select
 from .checkpoint import auto_resume
 from .config.accelerate_args import AccelerateSettings, config_origin, read_accelerate_args
@@ -61,13 +69,6 @@ from .log import get_logger, progress, setup_logging, use_barrier
 from .precision import Precision
 from .prepared import PreparedOptimizer, PreparedScheduler
 from .rebind import StaleParameterGuard, rebind_optimizer
-from .state import (
-    AcceleratorState,
-    DistributedType,
-    GradientState,
-    share_with_accelerate,
-    unshare_with_accelerate,
-)
 
 if TYPE_CHECKING:
     from .config import XShardConfig
@@ -174,7 +175,8 @@ class Accelerator:
         self._tracker_choice: list[Any] = tracking.resolve(compat.log_with, self.logging_dir)
         #: the running trackers (main process; after ``init_trackers``)
         self.trackers: list[Any] = []
-        #: Accelerate's ``AcceleratorState`` and ``GradientState``, read from this job (``xshard.state``)
+        #: Accelerate's ``AcceleratorState`` and ``GradientState``, read from this job
+        #: (``xshard.accelerate_compat.state``)
         self.state: AcceleratorState = AcceleratorState(self, origin, self._resolve_ds_config(compat, ds_config))
         self.gradient_state: GradientState = GradientState(self.job)
         self._setup_accelerate(compat)
@@ -602,7 +604,7 @@ class Accelerator:
 
     @property
     def distributed_type(self) -> DistributedType:
-        """How the job is distributed, in Accelerate's names (``xshard.state``)."""
+        """How the job is distributed, in Accelerate's names (``xshard.accelerate_compat.state``)."""
         return self.state.distributed_type
 
     @property
@@ -645,7 +647,7 @@ class Accelerator:
         """How ``prepare`` splits data loaders, as Accelerate's ``DataLoaderConfiguration``: every rank
         reads its own evened samples (``even_batches``), shuffled from one seed (``use_seedable_sampler``),
         with a position that ``save_state`` keeps (``use_stateful_dataloader``)."""
-        from .utils import DataLoaderConfiguration
+        from .accelerate_compat.utils import DataLoaderConfiguration
 
         return DataLoaderConfiguration(split_batches=self.split_batches, dispatch_batches=False, even_batches=True,
                                        use_seedable_sampler=True, data_seed=self._data_seed,
@@ -755,7 +757,8 @@ class Accelerator:
 
     # ------------------------------------------------------------------ evaluation across processes
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """``gather`` of per-sample values in the loader's order, each sample once (``xshard.metrics``).
+        """``gather`` of per-sample values in the loader's order, each sample once
+        (``xshard.accelerate_compat.metrics``).
 
         37 evaluation samples on 2 processes give 37 values, not 38, in the order the loader reads
         the data set (so they line up with its labels). Non-tensor data (or
@@ -869,7 +872,7 @@ class Accelerator:
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike,
                    max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
         """Write the whole weights as transformers does (``model.safetensors``, or shard files with
-        ``model.safetensors.index.json``; ``xshard.saving``). Every process must call it."""
+        ``model.safetensors.index.json``; ``xshard.accelerate_compat.saving``). Every process must call it."""
         state = self.get_state_dict(model)
         if self.is_main_process:
             saving.write_model(state, save_directory, max_shard_size, safe_serialization)
@@ -895,7 +898,7 @@ class Accelerator:
     def free_memory(self, *objects: Any) -> list[Any]:
         """Forget every prepared object (models' hooks removed), reset the step, collect garbage;
         returns one None per object (``model, optimizer = accelerator.free_memory(model, optimizer)``)."""
-        from .utils import release_memory
+        from .accelerate_compat.utils import release_memory
 
         self._close_models()
         for kept in (self.job.models, self.job.optimizers, self.job.schedulers, self.job.loaders):
@@ -931,7 +934,7 @@ class Accelerator:
         ``save_total_limit`` keeps only the newest N complete checkpoints in ``directory``'s parent.
         Without ``directory``, a ``ProjectConfiguration(automatic_checkpoint_naming=True)`` names it
         ``project_dir/checkpoints/checkpoint_<iteration>`` and its ``total_limit`` applies
-        (``xshard.project``). Accelerate's ``safe_serialization`` is accepted (models are always
+        (``xshard.accelerate_compat.project``). Accelerate's ``safe_serialization`` is accepted (models are always
         safetensors). Every rank must call it. Returns the checkpoint's path.
         ``async_save`` (default: the config's ``async_save``): return once this rank's state is copied
         to host memory and write the files in the background (``xshard.checkpoint.async_save``); the
@@ -1006,7 +1009,7 @@ class Accelerator:
 
     def __getattr__(self, name: str) -> Any:
         # only reached for names that are not found: Accelerate's members xshard lacks get xshard's way
-        from .missing import ACCELERATOR_MEMBERS, missing_member
+        from .accelerate_compat.missing import ACCELERATOR_MEMBERS, missing_member
 
         raise missing_member("Accelerator", name, ACCELERATOR_MEMBERS)
 
