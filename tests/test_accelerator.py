@@ -331,11 +331,20 @@ def _api_worker(rank, world_size):
     mean = acc.reduce(torch.tensor(float(rank + 1)), "mean")
     model = acc.prepare(_model())
     inner = acc.unwrap_model(model)
+    acc.state.wait_for_everyone()  # Accelerate's barrier on the state view: every rank passes it
+    state = acc.state
+    # the same facts under Accelerate's names, on the Accelerator and on its state
+    accelerate_names = [(acc.process_index, acc.num_processes, acc.local_process_index, acc.is_last_process,
+                         acc.use_distributed, str(acc.device)),
+                        (state.process_index, state.num_processes, state.local_process_index, state.is_last_process,
+                         state.use_distributed, str(state.device)),
+                        (state.is_main_process, state.is_local_main_process)]
     acc.end()
     return {
         "gathered": gathered, "scalars": scalars, "nested": nested["a"], "sum": summed.item(),
         "mean": mean.item(), "main": acc.is_main_process, "local_main": acc.is_local_main_process,
         "rank": acc.rank, "world": acc.world_size, "inner_is_net": type(inner).__name__ == "Net",
+        "accelerate_names": accelerate_names,
     }
 
 
@@ -348,6 +357,10 @@ def test_collectives_and_process_facts(two_ranks):
     assert (r0["main"], r1["main"], r0["local_main"], r1["local_main"]) == (True, False, True, False)
     assert (r0["rank"], r1["rank"], r0["world"]) == (0, 1, 2)
     assert r0["inner_is_net"]
+    for r, last in ((r0, False), (r1, True)):  # Accelerate's names agree with the facts above on each rank
+        on_accelerator, on_state, state_flags = r["accelerate_names"]
+        assert on_accelerator == on_state == (r["rank"], 2, r["rank"], last, True, "cpu")
+        assert state_flags == (r["main"], r["local_main"])
 
 
 def _unseeded_worker(rank, world_size):

@@ -2,8 +2,14 @@
 
 Every import a module runs (at module level or inside a function; annotations under
 ``TYPE_CHECKING`` excluded, since they never run) is an edge. No module may reach itself, and the
-packages (xshard.sharding, xshard.checkpoint, xshard.config, xshard.cli, xshard.backends and the
-top-level modules) form no circle either. The README's ARCHITECTURE drawing is this graph.
+packages (xshard.sharding, xshard.checkpoint, xshard.config, xshard.cli, xshard.trainer,
+xshard.accelerate_compat, xshard.backends and the top-level modules) form no circle either. The
+README's ARCHITECTURE drawing is this graph.
+
+Accelerate's compatibility surface (``xshard.accelerate_compat``) sits between the user API and the
+job machinery: only the user API and Accelerate's import paths (``xshard.state`` ..., thin modules
+re-exporting it) import it, and it imports none of them, so the job machinery (JobState, the
+prepared objects, data, checkpoint, config, the core) stays usable without it.
 """
 
 from __future__ import annotations
@@ -112,6 +118,35 @@ def test_the_device_layer_knows_nothing_of_sharding_or_the_user_api() -> None:
 def test_the_core_knows_nothing_of_the_user_api() -> None:
     reached = {package_of(t) for m, ts in import_graph().items() if m.startswith("xshard.sharding") for t in ts}
     assert reached <= {"xshard.sharding", "xshard.backends"}
+
+
+#: the user API: what a script imports to train
+USER_API = {"xshard", "xshard.accelerator", "xshard.trainer"}
+#: Accelerate's import paths, each a thin module re-exporting one of xshard.accelerate_compat's
+ACCELERATE_PATHS = {"xshard.state", "xshard.utils", "xshard.tracking", "xshard.metrics"}
+#: what the Accelerator is made of (the README's "Which module is which")
+JOB_MACHINERY = {"xshard.job", "xshard.precision", "xshard.prepared", "xshard.data", "xshard.static_shapes",
+                 "xshard.rebind", "xshard.grads", "xshard.log", "xshard.launch_marker", "xshard.checkpoint",
+                 "xshard.config", "xshard.sharding"}
+
+
+def test_the_job_machinery_imports_neither_the_user_api_nor_the_accelerate_surface() -> None:
+    reached = {package_of(t) for m, ts in import_graph().items() if package_of(m) in JOB_MACHINERY for t in ts}
+    above = USER_API | ACCELERATE_PATHS | {"xshard.accelerate_compat", "xshard.logging", "xshard.cli",
+                                           "xshard.pretrained", "xshard.estimate"}
+    assert reached & above == set()
+
+
+def test_only_the_user_api_imports_the_accelerate_surface() -> None:
+    importers = {package_of(m) for m, ts in import_graph().items() if package_of(m) != "xshard.accelerate_compat"
+                 and any(package_of(t) == "xshard.accelerate_compat" for t in ts)}
+    assert importers <= USER_API | ACCELERATE_PATHS
+
+
+def test_the_accelerate_surface_imports_no_user_api() -> None:
+    reached = {package_of(t) for m, ts in import_graph().items() if package_of(m) == "xshard.accelerate_compat"
+               for t in ts}
+    assert reached & (USER_API | ACCELERATE_PATHS) == set()
 
 
 def test_a_circle_is_found_when_there_is_one() -> None:

@@ -75,14 +75,14 @@ def __getattr__(name: str) -> Any:
 
         return getattr(log, name)
     if name in _FROM_UTILS:
-        from . import utils
+        from .accelerate_compat import utils
 
         return getattr(utils, name)
     if name == "skip_first_batches":
         from .data import skip_first_batches
 
         return skip_first_batches
-    from .missing import MODULE_NAMES
+    from .accelerate_compat.missing import MODULE_NAMES
 
     if name in MODULE_NAMES:
         raise AttributeError(f"module 'xshard' has no attribute {name!r} (Accelerate's `accelerate.{name}`): "
@@ -90,7 +90,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'xshard' has no attribute {name!r}")
 
 
-#: names ``from accelerate import ...`` gives that xshard.utils holds with Accelerate's meaning
+#: names ``from accelerate import ...`` gives that ``xshard.utils`` holds with Accelerate's meaning
 _FROM_UTILS = ("AutocastKwargs", "DataLoaderConfiguration", "DeepSpeedPlugin", "DistributedDataParallelKwargs",
                "DistributedType", "FullyShardedDataParallelPlugin", "GradScalerKwargs", "InitProcessGroupKwargs",
                "ProjectConfiguration", "set_seed")

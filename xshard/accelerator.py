@@ -44,12 +44,20 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.utils.data import DataLoader
 
-from . import grads, metrics, project, saving, tracking
+from . import grads
+from .accelerate_compat import metrics, project, saving, tracking
+from .accelerate_compat.state import (
+    AcceleratorState,
+    DistributedType,
+    GradientState,
+    share_with_accelerate,
+    unshare_with_accelerate,
+)
 from .backends import Backend, select
 from .checkpoint import auto_resume
 from .config.accelerate_args import AccelerateSettings, config_origin, read_accelerate_args
@@ -61,13 +69,9 @@ from .log import get_logger, progress, setup_logging, use_barrier
 from .precision import Precision
 from .prepared import PreparedOptimizer, PreparedScheduler
 from .rebind import StaleParameterGuard, rebind_optimizer
-from .state import (
-    AcceleratorState,
-    DistributedType,
-    GradientState,
-    share_with_accelerate,
-    unshare_with_accelerate,
-)
+
+if TYPE_CHECKING:
+    from .config import XShardConfig
 
 log = get_logger("xshard.accelerator")
 
@@ -124,7 +128,8 @@ class Accelerator:
         origin, ds_config = config_origin(config, os.environ)
         backend = backend if backend is not None else compat.backend
         timeout = timeout if timeout is not None else compat.timeout
-        self.config = _load_config(config, overrides, self._auto_values(compat) if origin == "deepspeed" else None)
+        self.config: XShardConfig = _load_config(config, overrides,
+                                                 self._auto_values(compat) if origin == "deepspeed" else None)
         config_backend = None if self.config.backend == "auto" else self.config.backend
         selection = select(backend if backend is not None else config_backend)
         # The backend knows where this process sits in the job (torchrun's variables, or torch_xla's
@@ -135,58 +140,78 @@ class Accelerator:
                       log_level if log_level is not None else self.config.log_level,  # file < env < argument
                       log_level_replica, log_on_each_node)
         self.backend.init_process_group(timeout=timeout if timeout is not None else self.config.timeout)
-        self.device: torch.device = self.backend.device()
+        #: the job's facts (rank, world size, device, barrier: the properties below ask it), prepared
+        #: objects, step counters and the accumulation window (see ``xshard.job``)
+        self.job: JobState = JobState(
+            backend=self.backend, config=self.config, device=self.backend.device(),
+            gradient_accumulation_steps=int(self.config.gradient_accumulation_steps),
+            gradient_clipping=float(self.config.gradient_clipping or 0.0),
+        )
         log.info("backend %s (%s) on %s, %d process(es)", self.backend.name, selection.reason, self.device,
                  world.world_size)
 
         chosen_seed = seed if seed is not None else self.config.seed
         #: None when nothing seeds the processes; then prepare() broadcasts rank 0's weights
-        self.seeded = chosen_seed is not None
-        self.seed = int(chosen_seed) if chosen_seed is not None else 0  # also the data shuffle seed
+        self.seeded: bool = chosen_seed is not None
+        self.seed: int = int(chosen_seed) if chosen_seed is not None else 0  # also the data shuffle seed
         if self.seeded:
             self._seed_everything(self.seed)
 
-        #: prepared objects, step counters and the accumulation window (see ``xshard.job``)
-        self.job = JobState(
-            backend=self.backend, config=self.config,
-            gradient_accumulation_steps=int(self.config.gradient_accumulation_steps),
-            gradient_clipping=float(self.config.gradient_clipping or 0.0),
-        )
-        self._scaler_settings = dict(compat.scaler_kwargs)  # GradScalerKwargs
+        self._scaler_settings: dict[str, Any] = dict(compat.scaler_kwargs)  # GradScalerKwargs
         #: the job's mixed precision: dtypes, autocast, backward and the fp16 scaler (``xshard.precision``)
         self.precision: Precision = self._choose_precision(self.config.mixed_precision)
-        self._ended = False
-        self._token = uuid.uuid4().hex
+        self._ended: bool = False
+        self._token: str = uuid.uuid4().hex  # names this Accelerator when pickled (``__reduce__``)
         _LIVE[self._token] = self
-        self._stale_guard = StaleParameterGuard()
-        self._setup_accelerate(compat, origin, ds_config)
+        self._stale_guard: StaleParameterGuard = StaleParameterGuard()
+        # Accelerate's arguments read by later calls (``xshard.config.accelerate_args``)
+        self._data_seed: int | None = compat.data_seed
+        self._non_blocking: bool | None = compat.non_blocking
+        self._autocast_enabled: bool = compat.autocast_enabled
+        self._flag: torch.Tensor | None = None  # raised by set_trigger, lowered by check_trigger
+        #: Accelerate's ProjectConfiguration (project_dir, logging_dir, automatic checkpoint naming):
+        #: xshard's or Accelerate's own class, read by its fields
+        self.project_configuration: Any = compat.project
+        self._tracker_choice: list[Any] = tracking.resolve(compat.log_with, self.logging_dir)
+        #: the running trackers (main process; after ``init_trackers``)
+        self.trackers: list[Any] = []
+        #: Accelerate's ``AcceleratorState`` and ``GradientState``, read from this job
+        #: (``xshard.accelerate_compat.state``)
+        self.state: AcceleratorState = AcceleratorState(self, origin, self._resolve_ds_config(compat, ds_config))
+        self.gradient_state: GradientState = GradientState(self.job)
+        self._setup_accelerate(compat)
         mark_accelerator_built(self.rank)  # xshard launch: this job runs on xshard
 
-    # ------------------------------------------------------------------ facts
+    # ------------------------------------------------------------------ facts (answered by the JobState)
     @property
     def rank(self) -> int:
         """Global rank of this process."""
-        return self.backend.world.rank
+        return self.job.rank
 
     @property
     def world_size(self) -> int:
         """Number of processes in the job."""
-        return self.backend.world.world_size
+        return self.job.world_size
 
     @property
     def local_rank(self) -> int:
         """Rank of this process on its node."""
-        return self.backend.world.local_rank
+        return self.job.local_rank
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process computes on."""
+        return self.job.device
 
     @property
     def is_main_process(self) -> bool:
         """True on global rank 0."""
-        return self.rank == 0
+        return self.job.is_main_process
 
     @property
     def is_local_main_process(self) -> bool:
         """True on local rank 0 of each node."""
-        return self.local_rank == 0
+        return self.job.is_local_main_process
 
     @property
     def sync_gradients(self) -> bool:
@@ -512,8 +537,7 @@ class Accelerator:
 
     def wait_for_everyone(self) -> None:
         """Barrier: every rank waits until all reach this point."""
-        if self.world_size > 1:
-            self.backend.collectives.barrier()
+        self.job.barrier()
 
     @contextlib.contextmanager
     def main_process_first(self) -> Iterator[None]:
@@ -551,27 +575,21 @@ class Accelerator:
         values["per_device_train_batch_size"] = LATER
         return values
 
-    def _setup_accelerate(self, compat: AccelerateSettings, origin: str, ds_config: dict[str, Any] | None) -> None:
+    def _resolve_ds_config(self, compat: AccelerateSettings,
+                           ds_config: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The ds_config with its ``"auto"`` values filled (``_auto_values``), or None."""
+        if ds_config is None:
+            return None
+        from .config.auto import resolve_auto
+
+        return resolve_auto(ds_config, self._auto_values(compat), os.environ)
+
+    def _setup_accelerate(self, compat: AccelerateSettings) -> None:
         """Apply Accelerate's arguments to the job; name the ones with no meaning here in one warning."""
         job = self.job
         job.adjust_scheduler, job.sync_with_dataloader = compat.adjust_scheduler, compat.sync_with_dataloader
         job.sync_each_batch, job.split_batches = compat.sync_each_batch, compat.split_batches
         job.step_scheduler_with_optimizer = compat.step_scheduler_with_optimizer
-        self._data_seed, self._non_blocking = compat.data_seed, compat.non_blocking
-        self._autocast_enabled = compat.autocast_enabled
-        self._flag: torch.Tensor | None = None
-        #: Accelerate's ProjectConfiguration (project_dir, logging_dir, automatic checkpoint naming)
-        self.project_configuration = compat.project
-        self._tracker_choice = tracking.resolve(compat.log_with, self.logging_dir)
-        #: the running trackers (main process; after ``init_trackers``)
-        self.trackers: list[Any] = []
-        if ds_config is not None:
-            from .config.auto import resolve_auto
-
-            ds_config = resolve_auto(ds_config, self._auto_values(compat), os.environ)
-        #: Accelerate's ``AcceleratorState`` and ``GradientState``, read from this job (``xshard.state``)
-        self.state = AcceleratorState(self, origin, ds_config)
-        self.gradient_state = GradientState(job)
         use_barrier(self.wait_for_everyone)  # in_order logging takes turns at it
         share_with_accelerate(self)  # accelerate.logging.get_logger works beside this Accelerator
         if compat.ignored and self.is_main_process:
@@ -595,7 +613,7 @@ class Accelerator:
 
     @property
     def distributed_type(self) -> DistributedType:
-        """How the job is distributed, in Accelerate's names (``xshard.state``)."""
+        """How the job is distributed, in Accelerate's names (``xshard.accelerate_compat.state``)."""
         return self.state.distributed_type
 
     @property
@@ -616,12 +634,12 @@ class Accelerator:
     @property
     def is_last_process(self) -> bool:
         """True on the highest global rank."""
-        return self.rank == self.world_size - 1
+        return self.job.is_last_process
 
     @property
     def use_distributed(self) -> bool:
         """True when the job has more than one process."""
-        return self.world_size > 1
+        return self.job.use_distributed
 
     @property
     def split_batches(self) -> bool:
@@ -638,7 +656,7 @@ class Accelerator:
         """How ``prepare`` splits data loaders, as Accelerate's ``DataLoaderConfiguration``: every rank
         reads its own evened samples (``even_batches``), shuffled from one seed (``use_seedable_sampler``),
         with a position that ``save_state`` keeps (``use_stateful_dataloader``)."""
-        from .utils import DataLoaderConfiguration
+        from .accelerate_compat.utils import DataLoaderConfiguration
 
         return DataLoaderConfiguration(split_batches=self.split_batches, dispatch_batches=False, even_batches=True,
                                        use_seedable_sampler=True, data_seed=self._data_seed,
@@ -692,7 +710,7 @@ class Accelerator:
     @property
     def multi_device(self) -> bool:
         """True when the job has more than one process."""
-        return self.world_size > 1
+        return self.job.use_distributed
 
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
@@ -748,7 +766,8 @@ class Accelerator:
 
     # ------------------------------------------------------------------ evaluation across processes
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """``gather`` of per-sample values in the loader's order, each sample once (``xshard.metrics``).
+        """``gather`` of per-sample values in the loader's order, each sample once
+        (``xshard.accelerate_compat.metrics``).
 
         37 evaluation samples on 2 processes give 37 values, not 38, in the order the loader reads
         the data set (so they line up with its labels). Non-tensor data (or
@@ -862,7 +881,7 @@ class Accelerator:
     def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike,
                    max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
         """Write the whole weights as transformers does (``model.safetensors``, or shard files with
-        ``model.safetensors.index.json``; ``xshard.saving``). Every process must call it."""
+        ``model.safetensors.index.json``; ``xshard.accelerate_compat.saving``). Every process must call it."""
         state = self.get_state_dict(model)
         if self.is_main_process:
             saving.write_model(state, save_directory, max_shard_size, safe_serialization)
@@ -888,7 +907,7 @@ class Accelerator:
     def free_memory(self, *objects: Any) -> list[Any]:
         """Forget every prepared object (models' hooks removed), reset the step, collect garbage;
         returns one None per object (``model, optimizer = accelerator.free_memory(model, optimizer)``)."""
-        from .utils import release_memory
+        from .accelerate_compat.utils import release_memory
 
         self._close_models()
         for kept in (self.job.models, self.job.optimizers, self.job.schedulers, self.job.loaders):
@@ -924,7 +943,7 @@ class Accelerator:
         ``save_total_limit`` keeps only the newest N complete checkpoints in ``directory``'s parent.
         Without ``directory``, a ``ProjectConfiguration(automatic_checkpoint_naming=True)`` names it
         ``project_dir/checkpoints/checkpoint_<iteration>`` and its ``total_limit`` applies
-        (``xshard.project``). Accelerate's ``safe_serialization`` is accepted (models are always
+        (``xshard.accelerate_compat.project``). Accelerate's ``safe_serialization`` is accepted (models are always
         safetensors). Every rank must call it. Returns the checkpoint's path.
         ``async_save`` (default: the config's ``async_save``): return once this rank's state is copied
         to host memory and write the files in the background (``xshard.checkpoint.async_save``); the
@@ -999,7 +1018,7 @@ class Accelerator:
 
     def __getattr__(self, name: str) -> Any:
         # only reached for names that are not found: Accelerate's members xshard lacks get xshard's way
-        from .missing import ACCELERATOR_MEMBERS, missing_member
+        from .accelerate_compat.missing import ACCELERATOR_MEMBERS, missing_member
 
         raise missing_member("Accelerator", name, ACCELERATOR_MEMBERS)
 

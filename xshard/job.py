@@ -1,4 +1,8 @@
-"""JobState: what one training job has prepared and where it stands in its steps.
+"""JobState: where one training job runs, what it has prepared and where it stands in its steps.
+
+The job's facts (rank, world size, local rank, the main-process flags, the device, the barrier) are
+answered here and only here: the ``Accelerator`` and Accelerate's ``AcceleratorState`` view ask this
+object, so no two places can disagree about which process this is.
 
 The ``Accelerator`` owns one ``JobState``; the prepared optimizers and schedulers and the checkpoint
 code receive it explicitly and read or update only what is written here, so none of them reaches
@@ -29,6 +33,7 @@ class JobState:
     Attributes:
         backend: the job's Backend (world, collectives, device hooks).
         config: the job's ``XShardConfig``.
+        device: the device this process computes on (bound when the process group started).
         gradient_accumulation_steps: micro-steps per optimizer step.
         gradient_clipping: max global gradient norm applied at each step when the loop did not
             clip itself (0: none).
@@ -48,6 +53,7 @@ class JobState:
 
     backend: Backend
     config: Any
+    device: torch.device
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0
     precision: Any = None
@@ -75,7 +81,7 @@ class JobState:
         """The fp16 grad scaler of the job's precision, or None (what checkpoints save and restore)."""
         return None if self.precision is None else self.precision.scaler
 
-    # ------------------------------------------------------------------ the world
+    # ------------------------------------------------------------------ the world (the job's facts)
     @property
     def rank(self) -> int:
         """Global rank of this process."""
@@ -87,9 +93,29 @@ class JobState:
         return self.backend.world.world_size
 
     @property
+    def local_rank(self) -> int:
+        """Rank of this process on its node."""
+        return self.backend.world.local_rank
+
+    @property
     def is_main_process(self) -> bool:
         """True on global rank 0."""
         return self.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """True on local rank 0 of each node."""
+        return self.local_rank == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        """True on the highest global rank."""
+        return self.rank == self.world_size - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        """True when the job has more than one process."""
+        return self.world_size > 1
 
     def barrier(self) -> None:
         """Every rank waits until all reach this point."""

@@ -102,7 +102,7 @@ class XShardDistributedState:
 
     @property
     def distributed_type(self) -> Any:
-        from xshard.state import _DATA_PARALLEL, DistributedType
+        from xshard.accelerate_compat.state import _DATA_PARALLEL, DistributedType
 
         if self.num_processes == 1:
             return DistributedType.NO

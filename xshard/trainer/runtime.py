@@ -26,10 +26,10 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from xshard.accelerate_compat.utils import DataLoaderConfiguration, release_memory
 from xshard.accelerator import Accelerator
 from xshard.config import XShardConfigWarning
 from xshard.data import ShardedDataLoader
-from xshard.utils import DataLoaderConfiguration, release_memory
 
 __all__ = ["TrainerAccelerator", "bind_arguments", "build_accelerator"]
 

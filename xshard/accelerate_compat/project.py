@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .checkpoint.files import latest_checkpoint
-from .config.project_configuration import ProjectConfiguration
+from ..checkpoint.files import latest_checkpoint
+from ..config.project_configuration import ProjectConfiguration
 
 __all__ = ["ProjectConfiguration", "checkpoints_folder", "enabled", "latest", "next_checkpoint"]
 
