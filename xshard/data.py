@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sized
-from typing import Any, cast
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
@@ -62,7 +62,7 @@ class DrawnOrder:
         self.restored_state: torch.Tensor | None = None  # from a checkpoint, for the next draw
 
     @staticmethod
-    def applies_to(sampler: Sampler[int]) -> bool:
+    def applies_to(sampler: Sampler[int]) -> TypeGuard[RandomSampler]:
         """True for a ``RandomSampler`` with its own generator or its own ``set_epoch``."""
         return isinstance(sampler, RandomSampler) and (
             sampler.generator is not None or callable(getattr(sampler, "set_epoch", None)))
