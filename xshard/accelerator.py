@@ -52,8 +52,10 @@ from torch.utils.data import DataLoader
 from . import grads, metrics, project, saving, tracking
 from .backends import Backend, select
 from .checkpoint import auto_resume
-from .config.accelerate_args import AccelerateSettings, config_origin, read_accelerate_args
+from .config.accelerate_args import AccelerateSettings, read_accelerate_args
 from .config.precision import MIXED_PRECISION
+from .config.schema import read_source
+from .config.source import ConfigKind, ConfigSource
 from .data import ShardedDataLoader, shard_data_loader
 from .job import JobState
 from .launch_marker import mark_accelerator_built
@@ -71,12 +73,20 @@ from .state import (
 
 log = get_logger("xshard.accelerator")
 
-def _load_config(config: Any, overrides: dict[str, Any], script_args: dict[str, Any] | None = None) -> Any:
+def _load_config(source: ConfigSource, overrides: dict[str, Any], script_args: dict[str, Any] | None = None) -> Any:
     from .config import XShardConfig
 
-    if isinstance(config, XShardConfig) and not overrides:
-        return config
-    return XShardConfig.load(config, overrides=overrides or None, env=os.environ, script_args=script_args)
+    if source.kind is ConfigKind.OBJECT and not overrides:
+        return source.config
+    return XShardConfig.load(source, overrides=overrides or None, env=os.environ, script_args=script_args)
+
+
+def _read_config_source(config: Any, compat: AccelerateSettings) -> ConfigSource:
+    """The job's config source, read once: ``config``, else a DeepSpeedPlugin's ``hf_ds_config`` (a
+    ds_config by the user's word, never told from its keys)."""
+    if config is None and compat.ds_config is not None:
+        return read_source(compat.ds_config, os.environ, kind=ConfigKind.DEEPSPEED)
+    return read_source(config, os.environ)
 
 
 class Accelerator:
@@ -120,11 +130,11 @@ class Accelerator:
         # Accelerate's arguments (the rest of **overrides are config fields); see accelerate_args
         compat = read_accelerate_args(overrides)
         overrides = {**compat.overrides, **overrides}
-        config = compat.ds_config if config is None and compat.ds_config is not None else config
-        origin, ds_config = config_origin(config, os.environ)
+        source = _read_config_source(config, compat)  # what kind of config it is: asked below, never guessed again
         backend = backend if backend is not None else compat.backend
         timeout = timeout if timeout is not None else compat.timeout
-        self.config = _load_config(config, overrides, self._auto_values(compat) if origin == "deepspeed" else None)
+        self.config = _load_config(source, overrides,
+                                   self._auto_values(compat) if source.configured_by_deepspeed else None)
         config_backend = None if self.config.backend == "auto" else self.config.backend
         selection = select(backend if backend is not None else config_backend)
         # The backend knows where this process sits in the job (torchrun's variables, or torch_xla's
@@ -159,7 +169,7 @@ class Accelerator:
         self._token = uuid.uuid4().hex
         _LIVE[self._token] = self
         self._stale_guard = StaleParameterGuard()
-        self._setup_accelerate(compat, origin, ds_config)
+        self._setup_accelerate(compat, source)
         mark_accelerator_built(self.rank)  # xshard launch: this job runs on xshard
 
     # ------------------------------------------------------------------ facts
@@ -542,7 +552,7 @@ class Accelerator:
         values["per_device_train_batch_size"] = LATER
         return values
 
-    def _setup_accelerate(self, compat: AccelerateSettings, origin: str, ds_config: dict[str, Any] | None) -> None:
+    def _setup_accelerate(self, compat: AccelerateSettings, source: ConfigSource) -> None:
         """Apply Accelerate's arguments to the job; name the ones with no meaning here in one warning."""
         job = self.job
         job.adjust_scheduler, job.sync_with_dataloader = compat.adjust_scheduler, compat.sync_with_dataloader
@@ -556,12 +566,13 @@ class Accelerator:
         self._tracker_choice = tracking.resolve(compat.log_with, self.logging_dir)
         #: the running trackers (main process; after ``init_trackers``)
         self.trackers: list[Any] = []
-        if ds_config is not None:
+        ds_config = None
+        if source.deepspeed is not None:
             from .config.auto import resolve_auto
 
-            ds_config = resolve_auto(ds_config, self._auto_values(compat), os.environ)
+            ds_config = resolve_auto(source.deepspeed, self._auto_values(compat), os.environ)
         #: Accelerate's ``AcceleratorState`` and ``GradientState``, read from this job (``xshard.state``)
-        self.state = AcceleratorState(self, origin, ds_config)
+        self.state = AcceleratorState(self, "deepspeed" if ds_config is not None else "xshard", ds_config)
         self.gradient_state = GradientState(job)
         use_barrier(self.wait_for_everyone)  # in_order logging takes turns at it
         share_with_accelerate(self)  # accelerate.logging.get_logger works beside this Accelerator
