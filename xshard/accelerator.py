@@ -285,33 +285,26 @@ class Accelerator:
         Inside the block the parameters are on the meta device; an optimizer may be built on them
         before ``prepare`` (it is rebound to the sharded parameters). A multi-process job takes rank
         0's values, rebuilt and broadcast one parameter at a time (``sync_module_states``, see
-        ``sharding_options``), so no rank ever holds the whole model.
+        ``XShardConfig.to_sharding_options``), so no rank ever holds the whole model.
         """
         from .sharding import sharded_init
 
         return sharded_init()
 
-    def sharding_options(self, model: torch.nn.Module | None = None) -> Any:
-        """The core's ShardingOptions from this config, adjusted to this job (and to ``model``).
-
-        - Mixed precision: the model computes under autocast in the compute dtype (stages 1-3 also
-          with compute copies in it) and returns floating outputs in fp32, as Accelerate does.
-        - Multi-process jobs broadcast rank 0's initial weights (``sync_module_states``), as DDP does
-          at construction: seeds alone do not make ranks agree where replicas share one process
-          (XLA:CPU's replica threads draw from one generator) or a script seeds per rank. A model
-          whose parameters are still on the meta device (loaded shard by shard) is filled from its
-          checkpoint on every rank instead; one built under ``sharded_init`` has its values recorded,
-          so rank 0 rebuilds and broadcasts them one parameter at a time.
-        """
+    def sharding_options(self, model: torch.nn.Module | None = None, *,
+                         weights_from_checkpoint: bool | None = None) -> Any:
+        """The core's ShardingOptions from this config, for this job (and ``model``): built by
+        ``XShardConfig.to_sharding_options`` from the world size, the precision's output dtype (fp32
+        under mixed precision, as Accelerate returns outputs) and whether the weights come from a
+        checkpoint on every rank (``weights_from_checkpoint``; by default: ``model``'s parameters are on
+        the meta device and not recorded by ``sharded_init``)."""
         from .sharding.sharded_init import recording_of
 
-        opts = self.config.to_sharding_options()
-        if opts.param_dtype is not None:
-            opts.output_dtype = self.precision.output_dtype
-        to_load = model is not None and recording_of(model) is None and any(p.is_meta for p in model.parameters())
-        if self.world_size > 1 and not to_load:
-            opts.sync_module_states = True
-        return opts
+        to_load = weights_from_checkpoint
+        if to_load is None:
+            to_load = model is not None and recording_of(model) is None and any(p.is_meta for p in model.parameters())
+        return self.config.to_sharding_options(world_size=self.world_size, output_dtype=self.precision.output_dtype,
+                                               weights_from_checkpoint=to_load)
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *objs: Any) -> Any:

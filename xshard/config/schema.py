@@ -30,7 +30,7 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from xshard.backends import NAMES as BUILTIN_BACKENDS
 from xshard.backends import names as backend_names
@@ -56,6 +56,11 @@ from xshard.config.values import (
     parse_stage,
     parse_strategy,
 )
+
+if TYPE_CHECKING:
+    import torch
+
+    from xshard.sharding import ShardingOptions
 
 __all__ = ["XShardConfig", "XShardConfigError", "XShardConfigWarning"]
 
@@ -226,20 +231,35 @@ class XShardConfig:
 
         return render_yaml(self)
 
-    def to_sharding_options(self) -> Any:
-        """The sharded core's `xshard.sharding.ShardingOptions` for this config."""
+    def to_sharding_options(self, *, world_size: int = 1, output_dtype: torch.dtype | None = None,
+                            weights_from_checkpoint: bool = False) -> ShardingOptions:
+        """The sharded core's `xshard.sharding.ShardingOptions` for this config on a job of ``world_size``
+        processes, built whole (nothing changes them afterwards).
+
+        - ``output_dtype``: the job's precision casts floating outputs of the model's forward to it (fp32
+          under mixed precision, as Accelerate returns them); it applies only with a compute dtype.
+        - ``world_size`` > 1 broadcasts rank 0's initial weights (``sync_module_states``), as DDP does at
+          construction: seeds alone do not make ranks agree where replicas share one process (XLA:CPU's
+          replica threads draw from one generator) or a script seeds per rank. Not when
+          ``weights_from_checkpoint``: a model whose parameters are still on the meta device (loaded shard by
+          shard) is filled from its checkpoint on every rank instead. One built under ``sharded_init`` has
+          its values recorded, so rank 0 rebuilds and broadcasts them one parameter at a time.
+        """
         from xshard.sharding import ShardingOptions
 
+        param_dtype = torch_dtype(self.mixed_precision)
+        broadcast = world_size > 1 and not weights_from_checkpoint
         return ShardingOptions(
             stage=self.stage, shard_group_size=self.shard_group_size,
             reshard_after_forward=self.reshard_after_forward, auto_wrap_policy=self.auto_wrap_policy,
             transformer_layer_cls_to_wrap=list(self.transformer_layer_cls_to_wrap or []) or None,
             min_num_params=self.min_num_params, backward_prefetch=self.backward_prefetch,
             forward_prefetch=self.forward_prefetch, max_inflight_all_gathers=self.max_inflight_all_gathers,
-            param_dtype=torch_dtype(self.mixed_precision), reduce_dtype=torch_dtype(self.reduce_dtype), buffer_dtype=None, keep_norms_fp32=self.keep_norms_fp32,
+            param_dtype=param_dtype, reduce_dtype=torch_dtype(self.reduce_dtype), buffer_dtype=None,
+            output_dtype=output_dtype if param_dtype is not None else None, keep_norms_fp32=self.keep_norms_fp32,
             offload_params=self.offload_params, offload_optimizer=self.offload_optimizer,
-            activation_checkpointing=self.activation_checkpointing, sync_module_states=self.sync_module_states,
-            bucket_size_mb=self.bucket_size_mb,
+            activation_checkpointing=self.activation_checkpointing,
+            sync_module_states=self.sync_module_states or broadcast, bucket_size_mb=self.bucket_size_mb,
         )
 
 
