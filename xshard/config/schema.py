@@ -36,7 +36,7 @@ from xshard.backends import NAMES as BUILTIN_BACKENDS
 from xshard.backends import names as backend_names
 from xshard.config.auto import ScriptArgs, resolve_auto
 from xshard.config.deepspeed import read_deepspeed
-from xshard.config.fsdp import PREFETCH, STATE_DICT, WRAP, read_accelerate, read_hf_fsdp
+from xshard.config.fsdp import STATE_DICT, WRAP, read_accelerate, read_hf_fsdp
 from xshard.config.precision import parse_dtype, parse_mixed_precision, torch_dtype
 from xshard.config.source import ConfigKind, ConfigSource, parse_text, read_bytes, read_config_source
 from xshard.config.values import (
@@ -56,11 +56,10 @@ from xshard.config.values import (
     parse_stage,
     parse_strategy,
 )
+from xshard.sharding.options import BACKWARD_PREFETCH_NAMES, ShardingOptions, ShardingOptionsError
 
 if TYPE_CHECKING:
     import torch
-
-    from xshard.sharding import ShardingOptions
 
 __all__ = ["XShardConfig", "XShardConfigError", "XShardConfigWarning"]
 
@@ -140,18 +139,12 @@ class XShardConfig:
         self._check_consistency()
 
     def _check_consistency(self) -> None:
-        from xshard.sharding.plan import ShardingPlan
-
-        shards = ShardingPlan.for_stage(self.stage).shard_parameters
-        if not shards and (self.shard_group_size is not None or self.reshard_after_forward):
-            raise XShardConfigError(
-                "shard_group_size and reshard_after_forward need sharded parameters (stage 1, 2 or 3); stage 0 "
-                "replicates them: raise stage (HYBRID_SHARD is 3, _HYBRID_SHARD_ZERO2 2) or unset them",
-                ("stage", "shard_group_size", "reshard_after_forward"))
-        if not shards and (self.offload_params or self.offload_optimizer):
-            raise XShardConfigError(
-                "offload_params/offload_optimizer need stage 1, 2 or 3 (there is no shard to offload at "
-                "stage 0); raise stage or turn offload off", ("stage", "offload_params", "offload_optimizer"))
+        # the rules between sharding options (stage 0 with offload or hybrid groups ...) are the core's, checked
+        # in one place: ShardingOptions.validate, which building the options runs
+        try:
+            self.to_sharding_options()
+        except ShardingOptionsError as exc:
+            raise XShardConfigError(str(exc), exc.fields) from None
         if self.devices is not None and self.train_batch_size is not None and self.train_micro_batch_size_per_gpu:
             world = self.devices * self.num_nodes
             expected = self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * world
@@ -245,8 +238,6 @@ class XShardConfig:
           shard) is filled from its checkpoint on every rank instead. One built under ``sharded_init`` has
           its values recorded, so rank 0 rebuilds and broadcasts them one parameter at a time.
         """
-        from xshard.sharding import ShardingOptions
-
         param_dtype = torch_dtype(self.mixed_precision)
         broadcast = world_size > 1 and not weights_from_checkpoint
         return ShardingOptions(
@@ -305,7 +296,7 @@ _NORMALISERS: dict[str, Any] = {
     "auto_wrap_policy": _choice(WRAP, none="none"),
     "transformer_layer_cls_to_wrap": parse_names,
     "min_num_params": _positive,
-    "backward_prefetch": _choice(PREFETCH, none="none"),
+    "backward_prefetch": _choice(BACKWARD_PREFETCH_NAMES, none="none"),
     "max_inflight_all_gathers": _positive,
     "mixed_precision": parse_mixed_precision,
     "reduce_dtype": parse_dtype,
