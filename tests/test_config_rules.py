@@ -38,3 +38,9 @@ def test_every_strategy_name_means_the_same_stage_and_groups_in_the_config_and_t
 def test_every_backward_prefetch_spelling_means_the_same_in_the_config_and_the_core(name):
     assert XShardConfig(backward_prefetch=name).backward_prefetch == ShardingOptions(backward_prefetch=name) \
         .backward_prefetch
+
+
+@pytest.mark.parametrize("value", ["node", "NODE", "local_world_size", "world", "none", "", None, 4, "4"])
+def test_every_shard_group_size_spelling_means_the_same_in_the_config_and_the_core(value):
+    assert XShardConfig(stage=3, shard_group_size=value).shard_group_size == \
+        ShardingOptions(stage=3, shard_group_size=value).shard_group_size

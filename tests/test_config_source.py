@@ -114,3 +114,10 @@ def test_trainer_deepspeed_is_read_as_a_ds_config_whatever_its_keys(tmp_path):
                              deepspeed={"train_micro_batch_size_per_gpu": "auto"}, per_device_train_batch_size=2)
     config = sharding_config(args)
     assert config.stage == 0 and config.train_micro_batch_size_per_gpu == 2
+
+
+def test_deepspeeds_marker_keys_are_none_of_xshards_and_the_shared_keys_are_all_xshard_fields():
+    from xshard.config.deepspeed import MARKERS, SHARED_KEYS
+    from xshard.config.schema import NATIVE_KEYS
+
+    assert not MARKERS & NATIVE_KEYS and SHARED_KEYS <= NATIVE_KEYS

@@ -150,7 +150,7 @@ def detect_kind(data: Mapping[str, Any], name: str, native_keys: Set[str]) -> Co
     keys = set(data)
     if keys & ACCELERATE_MARKERS:
         return ConfigKind.ACCELERATE
-    deepspeed_only = keys & (DEEPSPEED_MARKERS - native_keys)
+    deepspeed_only = keys & DEEPSPEED_MARKERS
     if isinstance(data.get("activation_checkpointing"), Mapping):
         deepspeed_only.add("activation_checkpointing")  # DeepSpeed's section; xshard's is a boolean
     if deepspeed_only:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from xshard.backends.errors import XShardError
-from xshard.sharding.options import strategy
+from xshard.sharding.options import GROUP_SIZE_NAMES, strategy
 
 #: sentinel for "use the framework's choice" in DeepSpeed and HF Trainer files
 AUTO = "auto"
@@ -149,10 +149,10 @@ def read_strategy(reading: Reading, where: str, value: Any) -> None:
 
 def parse_group_size(where: str, value: Any) -> int | str | None:
     """``shard_group_size``: None (every rank in one group), "node" (LOCAL_WORLD_SIZE) or a positive int."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null", "world")):
+    if value is None:
         return None
-    if isinstance(value, str) and value.strip().lower() in ("node", "local_world_size"):
-        return "node"
+    if isinstance(value, str) and value.strip().lower() in GROUP_SIZE_NAMES:  # the core's one table of the words
+        return GROUP_SIZE_NAMES[value.strip().lower()]
     expected = "null (every rank), 'node' (the processes of one node) or a positive number of ranks"
     try:
         return parse_int(where, value, 1)

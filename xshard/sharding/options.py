@@ -28,6 +28,10 @@ STAGE_NAMES: dict[str, int] = {name: stage for name, (stage, hybrid) in STRATEGI
 HYBRID_NAMES: dict[str, int] = {name: stage for name, (stage, hybrid) in STRATEGIES.items() if hybrid}
 #: ``shard_group_size`` value meaning "the processes of one node" (LOCAL_WORLD_SIZE)
 NODE = "node"
+#: the words ``shard_group_size`` takes besides a number of ranks (any case): every rank in one group (None),
+#: or one node's processes; the config's readers ask this table too
+GROUP_SIZE_NAMES: dict[str, str | None] = {"": None, "none": None, "null": None, "world": None, "node": NODE,
+                                           "local_world_size": NODE}
 WRAP_POLICIES = ("transformer", "size", "none")
 #: every spelling of ``backward_prefetch`` (FSDP's BACKWARD_PRE / BACKWARD_POST / NO_PREFETCH, any case) -> its
 #: value; the config's readers ask this table too
@@ -72,8 +76,8 @@ def _group_size(value: int | str | None) -> int | str | None:
         return None
     if isinstance(value, str):
         text = value.strip().lower()
-        if text == NODE:
-            return NODE
+        if text in GROUP_SIZE_NAMES:
+            return GROUP_SIZE_NAMES[text]
         if text.isdigit():
             value = int(text)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
