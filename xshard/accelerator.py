@@ -52,10 +52,9 @@ from torch.utils.data import DataLoader
 from . import grads, metrics, project, saving, tracking
 from .backends import Backend, select
 from .checkpoint import auto_resume
+from .config import ConfigKind, ConfigSource, read_source
 from .config.accelerate_args import AccelerateSettings, read_accelerate_args
 from .config.precision import MIXED_PRECISION
-from .config.schema import read_source
-from .config.source import ConfigKind, ConfigSource
 from .data import ShardedDataLoader, shard_data_loader
 from .job import JobState
 from .launch_marker import mark_accelerator_built
@@ -169,7 +168,8 @@ class Accelerator:
         self._token = uuid.uuid4().hex
         _LIVE[self._token] = self
         self._stale_guard = StaleParameterGuard()
-        self._setup_accelerate(compat, source)
+        self._setup_accelerate(compat, "deepspeed" if source.configured_by_deepspeed else "xshard",
+                               dict(source.deepspeed) if source.deepspeed is not None else None)
         mark_accelerator_built(self.rank)  # xshard launch: this job runs on xshard
 
     # ------------------------------------------------------------------ facts
@@ -545,7 +545,7 @@ class Accelerator:
         values["per_device_train_batch_size"] = LATER
         return values
 
-    def _setup_accelerate(self, compat: AccelerateSettings, source: ConfigSource) -> None:
+    def _setup_accelerate(self, compat: AccelerateSettings, origin: str, ds_config: dict[str, Any] | None) -> None:
         """Apply Accelerate's arguments to the job; name the ones with no meaning here in one warning."""
         job = self.job
         job.adjust_scheduler, job.sync_with_dataloader = compat.adjust_scheduler, compat.sync_with_dataloader
@@ -559,13 +559,12 @@ class Accelerator:
         self._tracker_choice = tracking.resolve(compat.log_with, self.logging_dir)
         #: the running trackers (main process; after ``init_trackers``)
         self.trackers: list[Any] = []
-        ds_config = None
-        if source.deepspeed is not None:
+        if ds_config is not None:
             from .config.auto import resolve_auto
 
-            ds_config = resolve_auto(source.deepspeed, self._auto_values(compat), os.environ)
+            ds_config = resolve_auto(ds_config, self._auto_values(compat), os.environ)
         #: Accelerate's ``AcceleratorState`` and ``GradientState``, read from this job (``xshard.state``)
-        self.state = AcceleratorState(self, "deepspeed" if ds_config is not None else "xshard", ds_config)
+        self.state = AcceleratorState(self, origin, ds_config)
         self.gradient_state = GradientState(job)
         use_barrier(self.wait_for_everyone)  # in_order logging takes turns at it
         share_with_accelerate(self)  # accelerate.logging.get_logger works beside this Accelerator

@@ -53,7 +53,9 @@ class ConfigKind(str, enum.Enum):
     """What a config source is."""
 
     DEFAULTS = "defaults"  # no source: the defaults (and XSHARD_* variables)
-    OBJECT = "XShardConfig"  # an XShardConfig object
+    # an XShardConfig object: xshard's own, whatever file it was loaded from (the Trainer passes its config so,
+    # and plays the part it gives DDP: a --deepspeed run is not reported as DeepSpeed to the Trainer's loop)
+    OBJECT = "XShardConfig"
     XSHARD = "xshard"  # xshard's own keys (what `xshard config` writes)
     DEEPSPEED = "deepspeed"  # a DeepSpeed ds_config
     ACCELERATE = "accelerate"  # an accelerate config yaml
