@@ -182,3 +182,15 @@ def test_to_sharding_options():
     assert options.activation_checkpointing and options.keep_norms_fp32
     assert (options.bucket_size_mb, options.max_inflight_all_gathers, options.backward_prefetch) == (10, 3, "none")
     assert XShardConfig().to_sharding_options().param_dtype is None
+
+
+def test_to_sharding_options_takes_the_jobs_facts_and_is_built_whole():
+    """World size, output dtype and weights read from a checkpoint go in; nothing is changed afterwards."""
+    bf16 = XShardConfig(mixed_precision="bf16")
+    options = bf16.to_sharding_options(world_size=2, output_dtype=torch.float32)
+    assert options.output_dtype == torch.float32 and options.sync_module_states  # rank 0's weights broadcast
+    assert not bf16.to_sharding_options(world_size=1).sync_module_states
+    assert not bf16.to_sharding_options(world_size=2, weights_from_checkpoint=True).sync_module_states
+    assert XShardConfig(sync_module_states=True).to_sharding_options().sync_module_states  # asked for: kept
+    # the output cast belongs to mixed precision: in fp32 the outputs are left as computed
+    assert XShardConfig().to_sharding_options(output_dtype=torch.float32).output_dtype is None

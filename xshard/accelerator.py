@@ -60,7 +60,8 @@ from .accelerate_compat.state import (
 )
 from .backends import Backend, select
 from .checkpoint import auto_resume
-from .config.accelerate_args import AccelerateSettings, config_origin, read_accelerate_args
+from .config import ConfigKind, ConfigSource, read_source
+from .config.accelerate_args import AccelerateSettings, read_accelerate_args
 from .config.precision import MIXED_PRECISION
 from .data import ShardedDataLoader, shard_data_loader
 from .job import JobState
@@ -75,12 +76,20 @@ if TYPE_CHECKING:
 
 log = get_logger("xshard.accelerator")
 
-def _load_config(config: Any, overrides: dict[str, Any], script_args: dict[str, Any] | None = None) -> Any:
+def _load_config(source: ConfigSource, overrides: dict[str, Any], script_args: dict[str, Any] | None = None) -> Any:
     from .config import XShardConfig
 
-    if isinstance(config, XShardConfig) and not overrides:
-        return config
-    return XShardConfig.load(config, overrides=overrides or None, env=os.environ, script_args=script_args)
+    if source.kind is ConfigKind.OBJECT and not overrides:
+        return source.config
+    return XShardConfig.load(source, overrides=overrides or None, env=os.environ, script_args=script_args)
+
+
+def _read_config_source(config: Any, compat: AccelerateSettings) -> ConfigSource:
+    """The job's config source, read once: ``config``, else a DeepSpeedPlugin's ``hf_ds_config`` (a
+    ds_config by the user's word, never told from its keys)."""
+    if config is None and compat.ds_config is not None:
+        return read_source(compat.ds_config, os.environ, kind=ConfigKind.DEEPSPEED)
+    return read_source(config, os.environ)
 
 
 class Accelerator:
@@ -124,12 +133,11 @@ class Accelerator:
         # Accelerate's arguments (the rest of **overrides are config fields); see accelerate_args
         compat = read_accelerate_args(overrides)
         overrides = {**compat.overrides, **overrides}
-        config = compat.ds_config if config is None and compat.ds_config is not None else config
-        origin, ds_config = config_origin(config, os.environ)
+        source = _read_config_source(config, compat)  # what kind of config it is: asked below, never guessed again
         backend = backend if backend is not None else compat.backend
         timeout = timeout if timeout is not None else compat.timeout
-        self.config: XShardConfig = _load_config(config, overrides,
-                                                 self._auto_values(compat) if origin == "deepspeed" else None)
+        self.config: XShardConfig = _load_config(source, overrides,
+                                                 self._auto_values(compat) if source.configured_by_deepspeed else None)
         config_backend = None if self.config.backend == "auto" else self.config.backend
         selection = select(backend if backend is not None else config_backend)
         # The backend knows where this process sits in the job (torchrun's variables, or torch_xla's
@@ -177,7 +185,9 @@ class Accelerator:
         self.trackers: list[Any] = []
         #: Accelerate's ``AcceleratorState`` and ``GradientState``, read from this job
         #: (``xshard.accelerate_compat.state``)
-        self.state: AcceleratorState = AcceleratorState(self, origin, self._resolve_ds_config(compat, ds_config))
+        self.state: AcceleratorState = AcceleratorState(
+            self, "deepspeed" if source.configured_by_deepspeed else "xshard",
+            self._resolve_ds_config(compat, dict(source.deepspeed) if source.deepspeed is not None else None))
         self.gradient_state: GradientState = GradientState(self.job)
         self._setup_accelerate(compat)
         mark_accelerator_built(self.rank)  # xshard launch: this job runs on xshard
@@ -300,33 +310,26 @@ class Accelerator:
         Inside the block the parameters are on the meta device; an optimizer may be built on them
         before ``prepare`` (it is rebound to the sharded parameters). A multi-process job takes rank
         0's values, rebuilt and broadcast one parameter at a time (``sync_module_states``, see
-        ``sharding_options``), so no rank ever holds the whole model.
+        ``XShardConfig.to_sharding_options``), so no rank ever holds the whole model.
         """
         from .sharding import sharded_init
 
         return sharded_init()
 
-    def sharding_options(self, model: torch.nn.Module | None = None) -> Any:
-        """The core's ShardingOptions from this config, adjusted to this job (and to ``model``).
-
-        - Mixed precision: the model computes under autocast in the compute dtype (stages 1-3 also
-          with compute copies in it) and returns floating outputs in fp32, as Accelerate does.
-        - Multi-process jobs broadcast rank 0's initial weights (``sync_module_states``), as DDP does
-          at construction: seeds alone do not make ranks agree where replicas share one process
-          (XLA:CPU's replica threads draw from one generator) or a script seeds per rank. A model
-          whose parameters are still on the meta device (loaded shard by shard) is filled from its
-          checkpoint on every rank instead; one built under ``sharded_init`` has its values recorded,
-          so rank 0 rebuilds and broadcasts them one parameter at a time.
-        """
+    def sharding_options(self, model: torch.nn.Module | None = None, *,
+                         weights_from_checkpoint: bool | None = None) -> Any:
+        """The core's ShardingOptions from this config, for this job (and ``model``): built by
+        ``XShardConfig.to_sharding_options`` from the world size, the precision's output dtype (fp32
+        under mixed precision, as Accelerate returns outputs) and whether the weights come from a
+        checkpoint on every rank (``weights_from_checkpoint``; by default: ``model``'s parameters are on
+        the meta device and not recorded by ``sharded_init``)."""
         from .sharding.sharded_init import recording_of
 
-        opts = self.config.to_sharding_options()
-        if opts.param_dtype is not None:
-            opts.output_dtype = self.precision.output_dtype
-        to_load = model is not None and recording_of(model) is None and any(p.is_meta for p in model.parameters())
-        if self.world_size > 1 and not to_load:
-            opts.sync_module_states = True
-        return opts
+        to_load = weights_from_checkpoint
+        if to_load is None:
+            to_load = model is not None and recording_of(model) is None and any(p.is_meta for p in model.parameters())
+        return self.config.to_sharding_options(world_size=self.world_size, output_dtype=self.precision.output_dtype,
+                                               weights_from_checkpoint=to_load)
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *objs: Any) -> Any:

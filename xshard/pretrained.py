@@ -20,6 +20,7 @@ with ``save_pretrained`` to avoid it). Everything runs offline: only the local f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterable
@@ -264,7 +265,7 @@ def from_pretrained_sharded(
         target: an ``xshard.Accelerator`` (its sharding options are used and the model is prepared
             with it, so ``acc.prepare(model, optimizer, ...)`` afterwards works) or a ``Backend``.
         options: sharding options (default: the accelerator's, else ``ShardingOptions()``).
-            ``sync_module_states`` is turned off: every rank reads the same checkpoint.
+            Loaded without ``sync_module_states``: every rank reads the same checkpoint.
         dtype: the parameters' dtype (the fp32 master weights by default); ``"auto"`` takes the
             config's, as ``from_pretrained`` does.
         **model_kwargs: passed to the model's constructor (e.g. ``attn_implementation="sdpa"``).
@@ -278,8 +279,10 @@ def from_pretrained_sharded(
     accelerator = target if hasattr(target, "sharding_options") else None
     backend = accelerator.backend if accelerator is not None else target
     if options is None:
-        options = accelerator.sharding_options() if accelerator is not None else ShardingOptions()
-    options.sync_module_states = False
+        options = accelerator.sharding_options(weights_from_checkpoint=True) if accelerator is not None else \
+            ShardingOptions()
+    # every rank reads the same checkpoint, so nothing is broadcast (a copy: the caller's options stay as given)
+    options = dataclasses.replace(options, sync_module_states=False)
 
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     model = build_on_meta(model_cls, config, resolve_dtype(dtype, config), **model_kwargs)

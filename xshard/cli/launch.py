@@ -34,11 +34,14 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xshard.backends import ENV_VAR, Backend, World, apply_visible_devices, parse_devices, select
 from xshard.backends.launchers import LaunchError, LaunchPlan, LaunchRequest
 from xshard.cli.launch_cluster import with_cluster_defaults
+
+if TYPE_CHECKING:
+    from xshard.config import ConfigSource
 
 CONFIG_ENV = "XSHARD_CONFIG"
 MIXED_PRECISION_ENV = "XSHARD_MIXED_PRECISION"
@@ -182,14 +185,15 @@ def _with_config_defaults(opts: LaunchOptions, env: Mapping[str, str]) -> Launch
     backend, nproc, nnodes, config_nproc = opts.backend, opts.nproc, opts.nnodes, None
     launch_keys: dict[str, Any] = {}
     if opts.config is not None and Path(opts.config).is_file():
-        from xshard.config import XShardConfig
+        from xshard.config import XShardConfig, read_source
 
-        config = XShardConfig.load(opts.config, env=env, script_args=opts.script_args)
+        source = read_source(opts.config, env)  # read once: the config, and whether it is accelerate's
+        config = XShardConfig.load(source, env=env, script_args=opts.script_args)
         if backend is None and config.backend != "auto":
             backend = config.backend
         config_nproc = config.devices
         nnodes = config.num_nodes if nnodes is None else nnodes
-        launch_keys = accelerate_launch_keys(opts.config)
+        launch_keys = accelerate_launch_keys(source)
     nnodes = 1 if nnodes is None else nnodes
     if opts.num_processes is not None:
         if nnodes < 1 or opts.num_processes % nnodes:
@@ -218,20 +222,15 @@ def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
 
-def accelerate_launch_keys(path: str | os.PathLike) -> dict[str, Any]:
-    """The launch settings of an accelerate config file (machine rank, main process address and port,
-    GPU ids; "all" GPUs is no restriction); empty for any other kind of config file."""
-    import yaml
+def accelerate_launch_keys(source: ConfigSource) -> dict[str, Any]:
+    """The launch settings of an accelerate config (machine rank, main process address and port, GPU ids;
+    "all" GPUs is no restriction), from its `xshard.config.ConfigSource`; empty for any other kind of config."""
+    from xshard.config import ConfigKind
+    from xshard.config.fsdp import ACCELERATE_LAUNCH_KEYS
 
-    from xshard.config.fsdp import ACCELERATE_LAUNCH_KEYS, ACCELERATE_MARKERS
-    from xshard.config.yaml_strict import load_yaml
-
-    try:
-        data = load_yaml(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
-        return {}  # XShardConfig.load has already reported a file it cannot read
-    if not isinstance(data, dict) or not ACCELERATE_MARKERS & set(data):
+    if source.kind is not ConfigKind.ACCELERATE or source.data is None:
         return {}
+    data, path = source.data, source.name
     found: dict[str, Any] = {}
     for key in sorted(ACCELERATE_LAUNCH_KEYS):  # each one fills the option of the same name
         value = data.get(key)

@@ -16,9 +16,9 @@
 Accelerate's own objects (``accelerate.utils.ProjectConfiguration`` ...) and xshard's classes of the
 same names (``xshard.utils``) are both accepted: their fields are read by name.
 
-``config_origin(source)`` tells whether the job's config came from DeepSpeed (a ds_config, an
-accelerate yaml with ``distributed_type: DEEPSPEED``), so that ``accelerator.state`` reports what
-Accelerate would.
+Whether the job's config came from DeepSpeed (a ds_config, an accelerate yaml with
+``distributed_type: DEEPSPEED``, the ``hf_ds_config`` of a ``DeepSpeedPlugin``) is the config reader's
+record (``xshard.config.read_source``), which ``accelerator.state`` asks.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 from .precision import MIXED_PRECISION
@@ -254,38 +253,3 @@ def _deepspeed_plugin(plugin: Any, out: AccelerateSettings) -> None:
     save16 = getattr(plugin, "zero3_save_16bit_model", None)
     if save16 is not None and out.ds_config is None:
         out.overrides["state_dict_type"] = "full" if parse_bool(f"{where}.zero3_save_16bit_model", save16) else "sharded"
-
-
-# ---------------------------------------------------------------------- where the config came from
-
-def read_source(source: Any, env: Mapping[str, str]) -> Any:
-    """The data of a config source (a path or a mapping; ``XSHARD_CONFIG`` when None), or None."""
-    from .schema import _read_bytes, parse_text
-
-    if source is None:
-        source = env.get("XSHARD_CONFIG") or None
-    if isinstance(source, Mapping):
-        return source
-    if isinstance(source, (str, os.PathLike)):
-        return parse_text(_read_bytes(source), os.fspath(source))
-    return None
-
-
-def config_origin(source: Any, env: Mapping[str, str]) -> tuple[str, dict[str, Any] | None]:
-    """("deepspeed", the ds_config as a dict) when ``source`` is DeepSpeed's, else ("xshard", None)."""
-    from .deepspeed import MARKERS
-
-    data = read_source(source, env)
-    if not isinstance(data, Mapping):
-        return "xshard", None
-    if str(data.get("distributed_type", "")).upper() == "DEEPSPEED":
-        section = data.get("deepspeed_config") or {}
-        inner = section.get("deepspeed_config_file") if isinstance(section, Mapping) else None
-        if inner and isinstance(source, (str, os.PathLike)):
-            base = Path(source).resolve().parent
-            return "deepspeed", dict(read_source(os.fspath(base / inner), env) or {})
-        return "deepspeed", {"zero_optimization": {"stage": section.get("zero_stage", 2)}} if isinstance(
-            section, Mapping) else {}
-    if set(data) & MARKERS:
-        return "deepspeed", dict(data)
-    return "xshard", None

@@ -40,11 +40,14 @@ from xshard.config.values import (
     parse_stage,
 )
 
-#: top-level keys that mark a file as a DeepSpeed config
+#: top-level keys of a DeepSpeed config that xshard's own format has too (the same settings; DeepSpeed's
+#: ``activation_checkpointing`` is a section, xshard's a boolean): they mark neither format
+SHARED_KEYS = frozenset({"train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps",
+                         "gradient_clipping", "optimizer", "scheduler", "activation_checkpointing"})
+#: top-level keys only a DeepSpeed config has: they mark a file as one (`xshard.config.source`)
 MARKERS = frozenset({
     "zero_optimization", "bf16", "bfloat16", "fp16", "amp", "communication_data_type", "steps_per_print",
     "wall_clock_breakdown", "zero_allow_untested_optimizer", "prescale_gradients", "gradient_predivide_factor",
-    "train_micro_batch_size_per_gpu", "train_batch_size",
 })
 
 # values that request exactly what xshard does anyway (no warning)

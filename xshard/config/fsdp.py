@@ -41,11 +41,10 @@ from xshard.config.values import (
     parse_stage,
     read_strategy,
 )
+from xshard.sharding.options import BACKWARD_PREFETCH_NAMES
 
 WRAP = {"transformer_based_wrap": "transformer", "transformer": "transformer", "size_based_wrap": "size",
         "size": "size", "no_wrap": "none", "none": "none"}
-PREFETCH = {"backward_pre": "pre", "pre": "pre", "backward_post": "post", "post": "post",
-            "no_prefetch": "none", "none": "none"}
 STATE_DICT = {"full_state_dict": "full", "full": "full", "local_state_dict": "local", "local": "local",
               "sharded_state_dict": "sharded", "sharded": "sharded"}
 # accelerate's yaml stores its menu choices as 1-based numbers
@@ -118,7 +117,7 @@ def _option(reading: Reading, key: str, value: Any, where: str, numeric: bool) -
         if number > 0:
             reading.set("min_num_params", number, where)
     elif key == "backward_prefetch":
-        reading.set("backward_prefetch", parse_choice(where, value, PREFETCH), where)
+        reading.set("backward_prefetch", parse_choice(where, value, BACKWARD_PREFETCH_NAMES), where)
     elif key == "forward_prefetch":
         reading.set("forward_prefetch", parse_bool(where, value), where)
     elif key == "state_dict_type":

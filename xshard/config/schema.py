@@ -3,7 +3,8 @@
 Load it with ``XShardConfig.load(source, overrides=None, env=os.environ, script_args=None)``:
 
 - ``source``: None (then ``$XSHARD_CONFIG`` names the file, if set), a path to a YAML or JSON file,
-  a dict, or an `XShardConfig`. The file's kind is detected from its content:
+  a dict, an `XShardConfig`, or a `ConfigSource` already read (``read_source``). The file is read once
+  and its kind told from its keys by `xshard.config.source` (or given as ``kind=``):
 
   * xshard's own format (the keys are the field names below; ``xshard config`` writes one),
   * a DeepSpeed ``ds_config.json`` (see `xshard.config.deepspeed`; ``"auto"`` values are filled from
@@ -29,18 +30,15 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any, TypeVar
-
-import yaml
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from xshard.backends import NAMES as BUILTIN_BACKENDS
 from xshard.backends import names as backend_names
 from xshard.config.auto import ScriptArgs, resolve_auto
-from xshard.config.deepspeed import MARKERS as DS_MARKERS
 from xshard.config.deepspeed import read_deepspeed
-from xshard.config.fsdp import ACCELERATE_MARKERS, PREFETCH, STATE_DICT, WRAP, read_accelerate, read_hf_fsdp
+from xshard.config.fsdp import STATE_DICT, WRAP, read_accelerate, read_hf_fsdp
 from xshard.config.precision import parse_dtype, parse_mixed_precision, torch_dtype
+from xshard.config.source import ConfigKind, ConfigSource, parse_text, read_bytes, read_config_source
 from xshard.config.values import (
     Reading,
     XShardConfigError,
@@ -58,7 +56,10 @@ from xshard.config.values import (
     parse_stage,
     parse_strategy,
 )
-from xshard.config.yaml_strict import load_yaml, unique_keys
+from xshard.sharding.options import BACKWARD_PREFETCH_NAMES, ShardingOptions, ShardingOptionsError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["XShardConfig", "XShardConfigError", "XShardConfigWarning"]
 
@@ -139,18 +140,12 @@ class XShardConfig:
         self._check_consistency()
 
     def _check_consistency(self) -> None:
-        from xshard.sharding.plan import ShardingPlan
-
-        shards = ShardingPlan.for_stage(self.stage).shard_parameters
-        if not shards and (self.shard_group_size is not None or self.reshard_after_forward):
-            raise XShardConfigError(
-                "shard_group_size and reshard_after_forward need sharded parameters (stage 1, 2 or 3); stage 0 "
-                "replicates them: raise stage (HYBRID_SHARD is 3, _HYBRID_SHARD_ZERO2 2) or unset them",
-                ("stage", "shard_group_size", "reshard_after_forward"))
-        if not shards and (self.offload_params or self.offload_optimizer):
-            raise XShardConfigError(
-                "offload_params/offload_optimizer need stage 1, 2 or 3 (there is no shard to offload at "
-                "stage 0); raise stage or turn offload off", ("stage", "offload_params", "offload_optimizer"))
+        # the rules between sharding options (stage 0 with offload or hybrid groups ...) are the core's, checked
+        # in one place: ShardingOptions.validate, which building the options runs
+        try:
+            self.to_sharding_options()
+        except ShardingOptionsError as exc:
+            raise XShardConfigError(str(exc), exc.fields) from None
         if self.devices is not None and self.train_batch_size is not None and self.train_micro_batch_size_per_gpu:
             world = self.devices * self.num_nodes
             expected = self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * world
@@ -165,26 +160,17 @@ class XShardConfig:
     # ------------------------------------------------------------------ loading
 
     @classmethod
-    def load(cls, source: str | os.PathLike | Mapping[str, Any] | XShardConfig | None = None,
+    def load(cls, source: str | os.PathLike | Mapping[str, Any] | XShardConfig | ConfigSource | None = None,
              overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
-             script_args: Any = None) -> XShardConfig:
-        """Build a config from ``source`` + ``XSHARD_*`` env + ``overrides`` (see the module docstring)."""
+             script_args: Any = None, kind: ConfigKind | None = None) -> XShardConfig:
+        """Build a config from ``source`` + ``XSHARD_*`` env + ``overrides`` (see the module docstring).
+
+        ``source`` may be a `ConfigSource` already read (``read_source``); ``kind`` says what the file is
+        (e.g. ``ConfigKind.DEEPSPEED`` for a path the user gave as a ds_config) instead of telling it from
+        its keys."""
         env = os.environ if env is None else env
-        if source is None and env.get(ENV_PREFIX + "CONFIG"):
-            source = env[ENV_PREFIX + "CONFIG"]
-        if source is None:
-            reading = Reading("defaults")
-        elif isinstance(source, XShardConfig):
-            reading = Reading("config object")
-            for name, value in source.to_dict().items():
-                reading.set(name, value, name)
-        elif isinstance(source, Mapping):
-            reading = read_mapping(source, "config dict", script_args, env, Path.cwd())
-        elif isinstance(source, (str, os.PathLike)):
-            reading = read_file(source, script_args, env)
-        else:
-            raise fail("source", source, "None, a file path, a dict or an XShardConfig")
-        return cls._build(reading, overrides, env)
+        read = read_source(source, env, kind)
+        return cls._build(_reading(read, script_args, env), overrides, env)
 
     @classmethod
     def from_hf_fsdp(cls, fsdp: str | list[str] | bool, fsdp_config: Mapping[str, Any] | str | None = None,
@@ -195,7 +181,7 @@ class XShardConfig:
         config: Mapping[str, Any] | None
         if isinstance(fsdp_config, (str, os.PathLike)):
             source = str(fsdp_config)
-            config = parse_text(_read_bytes(fsdp_config), source)
+            config = parse_text(read_bytes(fsdp_config), source)
         else:
             config = fsdp_config
         reading = _guard(source, lambda: read_hf_fsdp(fsdp, config, Reading(source)))
@@ -239,26 +225,41 @@ class XShardConfig:
 
         return render_yaml(self)
 
-    def to_sharding_options(self) -> Any:
-        """The sharded core's `xshard.sharding.ShardingOptions` for this config."""
-        from xshard.sharding import ShardingOptions
+    def to_sharding_options(self, *, world_size: int = 1, output_dtype: torch.dtype | None = None,
+                            weights_from_checkpoint: bool = False) -> ShardingOptions:
+        """The sharded core's `xshard.sharding.ShardingOptions` for this config on a job of ``world_size``
+        processes, built whole (nothing changes them afterwards).
 
+        - ``output_dtype``: the job's precision casts floating outputs of the model's forward to it (fp32
+          under mixed precision, as Accelerate returns them); it applies only with a compute dtype.
+        - ``world_size`` > 1 broadcasts rank 0's initial weights (``sync_module_states``), as DDP does at
+          construction: seeds alone do not make ranks agree where replicas share one process (XLA:CPU's
+          replica threads draw from one generator) or a script seeds per rank. Not when
+          ``weights_from_checkpoint``: a model whose parameters are still on the meta device (loaded shard by
+          shard) is filled from its checkpoint on every rank instead. One built under ``sharded_init`` has
+          its values recorded, so rank 0 rebuilds and broadcasts them one parameter at a time.
+        """
+        param_dtype = torch_dtype(self.mixed_precision)
+        broadcast = world_size > 1 and not weights_from_checkpoint
         return ShardingOptions(
             stage=self.stage, shard_group_size=self.shard_group_size,
             reshard_after_forward=self.reshard_after_forward, auto_wrap_policy=self.auto_wrap_policy,
             transformer_layer_cls_to_wrap=list(self.transformer_layer_cls_to_wrap or []) or None,
             min_num_params=self.min_num_params, backward_prefetch=self.backward_prefetch,
             forward_prefetch=self.forward_prefetch, max_inflight_all_gathers=self.max_inflight_all_gathers,
-            param_dtype=torch_dtype(self.mixed_precision), reduce_dtype=torch_dtype(self.reduce_dtype), buffer_dtype=None, keep_norms_fp32=self.keep_norms_fp32,
+            param_dtype=param_dtype, reduce_dtype=torch_dtype(self.reduce_dtype), buffer_dtype=None,
+            output_dtype=output_dtype if param_dtype is not None else None, keep_norms_fp32=self.keep_norms_fp32,
             offload_params=self.offload_params, offload_optimizer=self.offload_optimizer,
-            activation_checkpointing=self.activation_checkpointing, sync_module_states=self.sync_module_states,
-            bucket_size_mb=self.bucket_size_mb,
+            activation_checkpointing=self.activation_checkpointing,
+            sync_module_states=self.sync_module_states or broadcast, bucket_size_mb=self.bucket_size_mb,
         )
 
 
 # ---------------------------------------------------------------------- field values
 
 FIELD_NAMES = tuple(f.name for f in fields(XShardConfig))
+#: the keys of xshard's own format (what `xshard.config.source` tells it by)
+NATIVE_KEYS = frozenset(FIELD_NAMES) | frozenset(ALIASES)
 _OPTIONAL = {"shard_group_size", "reshard_after_forward", "transformer_layer_cls_to_wrap", "reduce_dtype", "gradient_clipping", "train_micro_batch_size_per_gpu",
              "train_batch_size", "optimizer", "scheduler", "devices", "seed"}
 
@@ -296,7 +297,7 @@ _NORMALISERS: dict[str, Any] = {
     "auto_wrap_policy": _choice(WRAP, none="none"),
     "transformer_layer_cls_to_wrap": parse_names,
     "min_num_params": _positive,
-    "backward_prefetch": _choice(PREFETCH, none="none"),
+    "backward_prefetch": _choice(BACKWARD_PREFETCH_NAMES, none="none"),
     "max_inflight_all_gathers": _positive,
     "mixed_precision": parse_mixed_precision,
     "reduce_dtype": parse_dtype,
@@ -363,65 +364,18 @@ def env_values(env: Mapping[str, str]) -> dict[str, Any]:
 # ---------------------------------------------------------------------- reading files
 
 
-def _read_bytes(path: str | os.PathLike) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except FileNotFoundError:
-        raise XShardConfigError(f"config file {os.fspath(path)!r} not found") from None
-    except OSError as exc:
-        raise XShardConfigError(f"config file {os.fspath(path)!r} cannot be read: {exc.strerror}") from None
-    except ValueError as exc:  # e.g. a NUL character in the path
-        raise XShardConfigError(f"config file {os.fspath(path)!r} is not a valid path: {exc}") from None
-
-
-def parse_text(raw: bytes, source: str) -> Any:
-    """The data in a config file's bytes: a ``.json`` file is JSON only; any other is JSON or YAML.
-
-    JSON is tried first for YAML files too, since YAML 1.1 reads JSON's ``2e8`` as a string. Errors
-    name the file, the line and the column (1-based, as editors count them).
-    """
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise XShardConfigError(f"{source}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
-    try:
-        return json.loads(text, object_pairs_hook=unique_keys)
-    except json.JSONDecodeError as exc:
-        if source.lower().endswith(".json"):
-            raise XShardConfigError(_json_error(text, exc, source)) from None
-    except (ValueError, RecursionError) as exc:
-        if source.lower().endswith(".json"):
-            raise XShardConfigError(f"{source}: not valid JSON ({exc})") from None
-    try:
-        return load_yaml(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = " ".join(part for part in (exc.context, exc.problem) if part)
-        raise XShardConfigError(f"{source}{where}: not valid YAML ({problem}); fix the file there") from None
-    except (yaml.YAMLError, RecursionError, ValueError, TypeError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise XShardConfigError(f"{source}: neither valid JSON nor valid YAML ({first})") from None
-
-
-def _json_error(text: str, exc: json.JSONDecodeError, source: str) -> str:
-    """One line: where the JSON error is, what it is, and the fix (a trailing comma is named as one)."""
-    before = text[:exc.pos].rstrip()
-    if before.endswith(",") and exc.msg.startswith(("Expecting property name", "Expecting value")):
-        comma = len(before) - 1
-        line = text.count("\n", 0, comma) + 1
-        column = comma - (text.rfind("\n", 0, comma) + 1) + 1
-        return (f"{source}, line {line}, column {column}: a trailing comma, which JSON does not allow; remove it "
-                "(.json files are read as strict JSON)")
-    return (f"{source}, line {exc.lineno}, column {exc.colno}: not valid JSON ({exc.msg}); fix the file there "
-            "(.json files are read as strict JSON)")
+def read_source(source: Any = None, env: Mapping[str, str] | None = None,
+                kind: ConfigKind | None = None) -> ConfigSource:
+    """Read a config source once: its data and what kind of config it is (`xshard.config.source`)."""
+    if isinstance(source, XShardConfig):
+        return ConfigSource(ConfigKind.OBJECT, "config object", config=source)
+    return read_config_source(source, os.environ if env is None else env, NATIVE_KEYS, kind)
 
 
 def read_file(path: str | os.PathLike, script_args: Any = None, env: Mapping[str, str] | None = None) -> Reading:
     """Read any supported config file into a `Reading`."""
-    source = os.fspath(path)
-    data = parse_text(_read_bytes(path), source)
-    return read_mapping(data, source, script_args, env or {}, Path(path).resolve().parent)
+    env = env or {}
+    return _reading(read_source(os.fspath(path), env), script_args, env)
 
 
 _Read = TypeVar("_Read")
@@ -434,28 +388,24 @@ def _guard(source: str, read: Callable[[], _Read]) -> _Read:
         raise XShardConfigError(f"{source}: {exc}", exc.fields) from None
 
 
-_HF_FSDP_KEYS = {"xla", "xla_fsdp_settings", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "cpu_offload",
-                 "reshard_after_forward", "version", "limit_all_gathers", "use_orig_params"}
-
-
-def read_mapping(data: Any, source: str, script_args: Any, env: Mapping[str, str], base_dir: Path) -> Reading:
-    """Detect the kind of config ``data`` is and map it onto `XShardConfig` fields."""
-    if not isinstance(data, Mapping):
-        raise XShardConfigError(f"{source}: a config must be a mapping of keys to values, not {type(data).__name__}")
-    bad = [k for k in data if not isinstance(k, str)]
-    if bad:
-        raise fail(source, bad[0], "string keys only")
-    keys = set(data)
-    reading = Reading(source)
+def _reading(source: ConfigSource, script_args: Any, env: Mapping[str, str]) -> Reading:
+    """Map ``source`` onto `XShardConfig` fields with the reader of its kind."""
+    reading = Reading(source.name)
+    if source.kind is ConfigKind.DEFAULTS:
+        return reading
+    if source.kind is ConfigKind.OBJECT:
+        for name, value in source.config.to_dict().items():
+            reading.set(name, value, name)
+        return reading
+    data = source.data if source.data is not None else {}
     world = ScriptArgs(script_args, env).world_size()
 
     def resolve() -> dict[str, Any]:
         return resolve_auto(data, script_args, env)
 
     def read_ds_file(path: str, key: str) -> None:
-        # accelerate's deepspeed_config_file: always read as a DeepSpeed config (never recursively)
-        name = os.fspath(base_dir / path)
-        inner_data = parse_text(_read_bytes(name), name)
+        # accelerate's deepspeed_config_file, read with the source: always a DeepSpeed config (never recursively)
+        inner_data = source.included[path]
         if not isinstance(inner_data, Mapping) or not all(isinstance(k, str) for k in inner_data):
             raise XShardConfigError(f"{key}: {path!r} does not hold a DeepSpeed config (a JSON object)")
         inner = _guard(path, lambda: read_deepspeed(resolve_auto(inner_data, script_args, env),
@@ -465,14 +415,13 @@ def read_mapping(data: Any, source: str, script_args: Any, env: Mapping[str, str
         for ignored in inner.ignored:
             reading.ignore(f"{path}:{ignored}")
 
-    if keys & ACCELERATE_MARKERS:
-        return _guard(source, lambda: read_accelerate(data, reading, read_ds_file))
-    if keys & (DS_MARKERS - set(FIELD_NAMES)) or isinstance(data.get("activation_checkpointing"), Mapping):
-        return _guard(source, lambda: read_deepspeed(resolve(), reading, world))
-    native = set(FIELD_NAMES) | set(ALIASES)
-    if not keys <= native and all(k.startswith("fsdp_") or k in _HF_FSDP_KEYS for k in keys - native):
-        return _guard(source, lambda: read_hf_fsdp(True, data, reading))
-    resolved = _guard(source, resolve)
+    if source.kind is ConfigKind.ACCELERATE:
+        return _guard(source.name, lambda: read_accelerate(data, reading, read_ds_file))
+    if source.kind is ConfigKind.DEEPSPEED:
+        return _guard(source.name, lambda: read_deepspeed(resolve(), reading, world))
+    if source.kind is ConfigKind.HF_FSDP:
+        return _guard(source.name, lambda: read_hf_fsdp(True, data, reading))
+    resolved = _guard(source.name, resolve)
     for key, value in resolved.items():
-        reading.set(field_name(key, source), value, key)
+        reading.set(field_name(key, source.name), value, key)
     return reading

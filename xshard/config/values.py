@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from xshard.backends.errors import XShardError
+from xshard.sharding.options import GROUP_SIZE_NAMES, strategy
 
 #: sentinel for "use the framework's choice" in DeepSpeed and HF Trainer files
 AUTO = "auto"
@@ -111,22 +112,18 @@ def parse_choice(where: str, value: Any, choices: Mapping[str, str]) -> str:
     raise fail(where, value, "one of " + ", ".join(canonical))
 
 
-STAGE_NAMES = {"no_shard": 0, "ddp": 0, "shard_grad_op": 2, "full_shard": 3}
-#: FSDP's hybrid strategies: the stage, sharded within each node and replicated across nodes
-HYBRID_NAMES = {"hybrid_shard": 3, "hybrid_shard_zero2": 2, "_hybrid_shard_zero2": 2}
 _STAGE_EXPECTED = ("0, 1, 2, 3 or one of FULL_SHARD (3), SHARD_GRAD_OP (2), NO_SHARD (0), HYBRID_SHARD (3 within "
                    "each node), _HYBRID_SHARD_ZERO2 (2 within each node)")
 
 
 def parse_strategy(where: str, value: Any) -> tuple[int, bool]:
-    """(ZeRO stage 0-3, hybrid?) from an int, a digit string or an FSDP sharding-strategy name; hybrid
-    strategies (HYBRID_SHARD, _HYBRID_SHARD_ZERO2) shard within each node (shard_group_size: node)."""
+    """(ZeRO stage 0-3, hybrid?) from an int, a digit string or a sharding strategy's name (the core's one
+    table, ``xshard.sharding.options.STRATEGIES``); hybrid strategies (HYBRID_SHARD, _HYBRID_SHARD_ZERO2)
+    shard within each node (shard_group_size: node)."""
     if isinstance(value, str):
-        key = value.strip().lower()
-        if key in STAGE_NAMES:
-            return STAGE_NAMES[key], False
-        if key in HYBRID_NAMES:
-            return HYBRID_NAMES[key], True
+        named = strategy(value)
+        if named is not None:
+            return named
     try:
         stage = parse_int(where, value)
     except XShardConfigError:
@@ -152,10 +149,10 @@ def read_strategy(reading: Reading, where: str, value: Any) -> None:
 
 def parse_group_size(where: str, value: Any) -> int | str | None:
     """``shard_group_size``: None (every rank in one group), "node" (LOCAL_WORLD_SIZE) or a positive int."""
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null", "world")):
+    if value is None:
         return None
-    if isinstance(value, str) and value.strip().lower() in ("node", "local_world_size"):
-        return "node"
+    if isinstance(value, str) and value.strip().lower() in GROUP_SIZE_NAMES:  # the core's one table of the words
+        return GROUP_SIZE_NAMES[value.strip().lower()]
     expected = "null (every rank), 'node' (the processes of one node) or a positive number of ranks"
     try:
         return parse_int(where, value, 1)

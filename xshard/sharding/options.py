@@ -6,26 +6,59 @@ from dataclasses import dataclass
 
 import torch
 
-#: FSDP / ZeRO names accepted for ``stage``
-STAGE_NAMES: dict[str, int] = {
-    "NO_SHARD": 0,
-    "DDP": 0,
-    "OPTIMIZER_STATE": 1,
-    "SHARD_GRAD_OP": 2,
-    "FULL_SHARD": 3,
+from xshard.backends.errors import XShardError
+
+#: Every name of a sharding strategy (FSDP's and ZeRO's, any case) -> (ZeRO stage, hybrid?). Hybrid
+#: strategies shard within each node and replicate across nodes (``shard_group_size`` "node"). The one
+#: table of these names: ``xshard.config`` asks it too (``xshard.sharding`` imports nothing of the config,
+#: and ``ShardingOptions`` takes the names itself, so the table lives here).
+STRATEGIES: dict[str, tuple[int, bool]] = {
+    "NO_SHARD": (0, False),
+    "DDP": (0, False),
+    "OPTIMIZER_STATE": (1, False),
+    "SHARD_GRAD_OP": (2, False),
+    "FULL_SHARD": (3, False),
+    "HYBRID_SHARD": (3, True),
+    "HYBRID_SHARD_ZERO2": (2, True),
+    "_HYBRID_SHARD_ZERO2": (2, True),
 }
+#: FSDP / ZeRO names accepted for ``stage``
+STAGE_NAMES: dict[str, int] = {name: stage for name, (stage, hybrid) in STRATEGIES.items() if not hybrid}
 #: FSDP's hybrid strategies: the stage, sharded within a node and replicated across nodes
-HYBRID_NAMES: dict[str, int] = {"HYBRID_SHARD": 3, "HYBRID_SHARD_ZERO2": 2, "_HYBRID_SHARD_ZERO2": 2}
+HYBRID_NAMES: dict[str, int] = {name: stage for name, (stage, hybrid) in STRATEGIES.items() if hybrid}
 #: ``shard_group_size`` value meaning "the processes of one node" (LOCAL_WORLD_SIZE)
 NODE = "node"
+#: the words ``shard_group_size`` takes besides a number of ranks (any case): every rank in one group (None),
+#: or one node's processes; the config's readers ask this table too
+GROUP_SIZE_NAMES: dict[str, str | None] = {"": None, "none": None, "null": None, "world": None, "node": NODE,
+                                           "local_world_size": NODE}
 WRAP_POLICIES = ("transformer", "size", "none")
-BACKWARD_PREFETCH = ("pre", "post", "none")
+#: every spelling of ``backward_prefetch`` (FSDP's BACKWARD_PRE / BACKWARD_POST / NO_PREFETCH, any case) -> its
+#: value; the config's readers ask this table too
+BACKWARD_PREFETCH_NAMES: dict[str, str] = {"pre": "pre", "backward_pre": "pre", "post": "post",
+                                           "backward_post": "post", "none": "none", "no_prefetch": "none"}
+BACKWARD_PREFETCH = tuple(dict.fromkeys(BACKWARD_PREFETCH_NAMES.values()))
+
+
+class ShardingOptionsError(XShardError, ValueError):
+    """A sharding option, or a combination of them, is not valid; ``fields`` names the options involved
+    (the config's fields of the same names, so the config can say where each was set)."""
+
+    def __init__(self, message: str, fields: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
+def strategy(name: str) -> tuple[int, bool] | None:
+    """(stage, hybrid?) of a sharding strategy's name (any case; `STRATEGIES`), or None for another word."""
+    return STRATEGIES.get(name.strip().upper())
 
 
 def normalise_stage(stage: int | str) -> int:
     """0-3 from an int, a digit string, or an FSDP name (NO_SHARD=0, SHARD_GRAD_OP=2, FULL_SHARD=3)."""
+    expected = f"stage={stage!r} is not valid: use one of 0, 1, 2, 3 or {sorted(STAGE_NAMES)}"
     if isinstance(stage, bool):
-        raise ValueError(f"stage={stage!r} is not valid: use one of 0, 1, 2, 3 or {sorted(STAGE_NAMES)}")
+        raise ShardingOptionsError(expected, ("stage",))
     if isinstance(stage, int) and stage in (0, 1, 2, 3):
         return stage
     if isinstance(stage, str):
@@ -34,7 +67,7 @@ def normalise_stage(stage: int | str) -> int:
             return int(key)
         if key in STAGE_NAMES:
             return STAGE_NAMES[key]
-    raise ValueError(f"stage={stage!r} is not valid: use one of 0, 1, 2, 3 or {sorted(STAGE_NAMES)}")
+    raise ShardingOptionsError(expected, ("stage",))
 
 
 def _group_size(value: int | str | None) -> int | str | None:
@@ -43,19 +76,21 @@ def _group_size(value: int | str | None) -> int | str | None:
         return None
     if isinstance(value, str):
         text = value.strip().lower()
-        if text == NODE:
-            return NODE
+        if text in GROUP_SIZE_NAMES:
+            return GROUP_SIZE_NAMES[text]
         if text.isdigit():
             value = int(text)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"shard_group_size={value!r} is not valid: use None (every rank), 'node' (the processes "
-                         "of one node) or a positive number of ranks that divides the world size")
+        raise ShardingOptionsError(f"shard_group_size={value!r} is not valid: use None (every rank), 'node' (the "
+                                   "processes of one node) or a positive number of ranks that divides the world size",
+                                   ("shard_group_size",))
     return value
 
 
 def _check_dtype(name: str, value: torch.dtype | None) -> None:
     if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-        raise ValueError(f"{name}={value!r} is not a floating-point torch dtype (e.g. torch.bfloat16) or None")
+        raise ShardingOptionsError(f"{name}={value!r} is not a floating-point torch dtype (e.g. torch.bfloat16) or "
+                                   "None", (name,))
 
 
 @dataclass
@@ -133,41 +168,64 @@ class ShardingOptions:
         self.validate()
 
     def validate(self) -> ShardingOptions:
-        """Normalise and check every field; raise ValueError naming the field and the valid values."""
-        if isinstance(self.stage, str) and self.stage.strip().upper() in HYBRID_NAMES:
+        """Normalise and check every field and every rule between fields (the one place they are checked);
+        raise ShardingOptionsError (a ValueError) naming the options and the valid values."""
+        named = strategy(self.stage) if isinstance(self.stage, str) else None
+        if named is not None and named[1]:  # a hybrid strategy: its stage, within each node
             if self.shard_group_size is None:
                 self.shard_group_size = NODE
-            self.stage = HYBRID_NAMES[self.stage.strip().upper()]
+            self.stage = named[0]
         self.stage = normalise_stage(self.stage)
         self.shard_group_size = _group_size(self.shard_group_size)
         if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, bool):
             if not isinstance(self.reshard_after_forward, int) or self.reshard_after_forward < 1:
-                raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r} is not valid: use True, False, "
-                                 "None (the stage's default) or a group size (an int that divides the shard group)")
+                raise ShardingOptionsError(
+                    f"reshard_after_forward={self.reshard_after_forward!r} is not valid: use True, False, None (the "
+                    "stage's default) or a group size (an int that divides the shard group)", ("reshard_after_forward",))
         policy = str(self.auto_wrap_policy).strip().lower()
         if policy not in WRAP_POLICIES:
-            raise ValueError(f"auto_wrap_policy={self.auto_wrap_policy!r} is not valid: use one of {WRAP_POLICIES}")
+            raise ShardingOptionsError(f"auto_wrap_policy={self.auto_wrap_policy!r} is not valid: use one of "
+                                       f"{WRAP_POLICIES}", ("auto_wrap_policy",))
         self.auto_wrap_policy = policy
         if isinstance(self.transformer_layer_cls_to_wrap, str):
             self.transformer_layer_cls_to_wrap = [
                 s.strip() for s in self.transformer_layer_cls_to_wrap.split(",") if s.strip()
             ]
-        prefetch = str(self.backward_prefetch).strip().lower()
-        prefetch = {"backward_pre": "pre", "backward_post": "post", "no_prefetch": "none"}.get(prefetch, prefetch)
-        if prefetch not in BACKWARD_PREFETCH:
-            raise ValueError(
-                f"backward_prefetch={self.backward_prefetch!r} is not valid: use one of {BACKWARD_PREFETCH}"
-            )
+        prefetch = BACKWARD_PREFETCH_NAMES.get(str(self.backward_prefetch).strip().lower())
+        if prefetch is None:
+            raise ShardingOptionsError(
+                f"backward_prefetch={self.backward_prefetch!r} is not valid: use one of {BACKWARD_PREFETCH}",
+                ("backward_prefetch",))
         self.backward_prefetch = prefetch
-        if int(self.max_inflight_all_gathers) < 1:
-            raise ValueError(f"max_inflight_all_gathers={self.max_inflight_all_gathers} must be at least 1")
-        if int(self.min_num_params) < 1:
-            raise ValueError(f"min_num_params={self.min_num_params} must be a positive number of parameters")
+        for name, value, what in (("max_inflight_all_gathers", self.max_inflight_all_gathers, "at least 1"),
+                                  ("min_num_params", self.min_num_params, "a positive number of parameters")):
+            if int(value) < 1:
+                raise ShardingOptionsError(f"{name}={value} must be {what}", (name,))
         if float(self.bucket_size_mb) <= 0:
-            raise ValueError(f"bucket_size_mb={self.bucket_size_mb} must be positive")
+            raise ShardingOptionsError(f"bucket_size_mb={self.bucket_size_mb} must be positive", ("bucket_size_mb",))
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
             _check_dtype(name, getattr(self, name))
+        if self.stage == 0:
+            self._check_stage_0()
         return self
+
+    def _check_stage_0(self) -> None:
+        """What stage 0 (replicated parameters, no compute copies) cannot do."""
+        if self.offload:
+            raise ShardingOptionsError(
+                "offload_params/offload_optimizer need stage 1, 2 or 3: stage 0 replicates everything on the device, "
+                "so there is no shard to offload; raise stage or turn offload off",
+                ("stage", "offload_params", "offload_optimizer"))
+        if self.shard_group_size is not None or self.reshard_after_forward:
+            raise ShardingOptionsError(
+                "shard_group_size and reshard_after_forward need sharded parameters (stage 1, 2 or 3), but stage 0 "
+                f"shards nothing (shard_group_size={self.shard_group_size!r}, reshard_after_forward="
+                f"{self.reshard_after_forward!r}): raise stage (HYBRID_SHARD is 3, _HYBRID_SHARD_ZERO2 2) or leave "
+                "them unset", ("stage", "shard_group_size", "reshard_after_forward"))
+        if self.param_dtype is not None and not self.autocast:
+            raise ShardingOptionsError(
+                "stage 0 computes with the model's own parameters, so param_dtype takes effect only through autocast: "
+                "keep autocast=True, or use stage 1-3 for compute copies", ("stage", "param_dtype", "autocast"))
 
     @property
     def offload(self) -> bool:

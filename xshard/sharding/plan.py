@@ -160,6 +160,7 @@ class ShardingPlan:
                      local_world_size: int | None = None) -> ShardingPlan:
         """The plan for ``options`` on ``world_size`` ranks, ``local_world_size`` per node (the only
         place that reads ``options.stage``)."""
+        options.validate()  # every rule between options, the stage-0 ones included, is checked there
         stage = int(options.stage)
         precision = PrecisionPolicy(
             param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype, buffer_dtype=options.buffer_dtype,
@@ -167,19 +168,6 @@ class ShardingPlan:
         )
         group = _shard_group_size(options.shard_group_size, world_size, local_world_size)
         if stage == 0:
-            if options.offload:
-                raise ValueError("offload_params/offload_optimizer need stage 1, 2 or 3 (stage 0 replicates "
-                                 "everything on the device): set stage >= 1 or turn offload off")
-            if precision.param_dtype is not None and not precision.autocast:
-                raise ValueError("stage 0 computes with the model's own parameters, so param_dtype takes effect "
-                                 "only through autocast: keep autocast=True, or use stage 1-3 for compute copies")
-            if group != world_size:
-                raise ValueError(f"shard_group_size={options.shard_group_size!r} shards within groups of ranks, but "
-                                 "stage 0 shards nothing: use stage 1, 2 or 3 (HYBRID_SHARD is stage 3, "
-                                 "_HYBRID_SHARD_ZERO2 stage 2), or leave shard_group_size unset")
-            if options.reshard_after_forward:
-                raise ValueError("reshard_after_forward needs sharded parameters (stage 1-3); stage 0 replicates "
-                                 "them: leave it unset or False at stage 0")
             return cls(stage, world_size, shard_parameters=False, shard_group_size=1,
                        reshard_after_forward=ReshardAfterForward(False),
                        grad_reduction=GradReduction.ALL_REDUCE, reduce_timing=ReduceTiming.AS_READY,

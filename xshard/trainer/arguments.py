@@ -204,9 +204,9 @@ class TrainingArgumentsMixin(_ArgumentsHost):
         """The fsdp_config asks for torch_xla's FSDP (``xla: true``); read before transformers loads the file."""
         options = self.fsdp_config
         if isinstance(options, (str, os.PathLike)) and self.fsdp:
-            from xshard.config.schema import _read_bytes
+            from xshard.config.source import read_bytes
 
-            options = parse_text(_read_bytes(options), os.fspath(options))
+            options = parse_text(read_bytes(options), os.fspath(options))
         if not isinstance(options, dict):
             return False
         return str(options.get("xla", options.get("fsdp_xla", False))).strip().lower() == "true"

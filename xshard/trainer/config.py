@@ -33,7 +33,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from xshard.config import XShardConfig, XShardConfigError, XShardConfigWarning, parse_text
+from xshard.config import (
+    ConfigKind,
+    XShardConfig,
+    XShardConfigError,
+    XShardConfigWarning,
+    parse_text,
+    read_source,
+)
 from xshard.config.fsdp import hf_fsdp_items
 from xshard.config.values import is_auto
 
@@ -108,10 +115,6 @@ def _deepspeed_source(args: Any) -> dict[str, Any] | str | None:
                                     "ds_config.json (or a dict)")
         return os.fspath(value)
     raise XShardConfigError(f"--deepspeed: {value!r} is not valid; expected the path of a ds_config.json or a dict")
-
-
-def _ds_data(source: dict[str, Any] | str) -> Any:
-    return source if isinstance(source, dict) else parse_text(Path(source).read_bytes(), source)
 
 
 def _fsdp_words(args: Any) -> list[str] | None:
@@ -280,11 +283,11 @@ def _check_agreement(data: Mapping[str, Any], values: Mapping[str, Any]) -> None
                                 "them agree")
 
 
-def _from_deepspeed(args: Any, source: dict[str, Any] | str, overrides: dict[str, Any],
+def _from_deepspeed(args: Any, given: dict[str, Any] | str, overrides: dict[str, Any],
                     env: Mapping[str, str]) -> XShardConfig:
-    data = _ds_data(source)
-    if not isinstance(data, Mapping):
-        raise XShardConfigError(f"--deepspeed: {source!r} does not hold a DeepSpeed config (a JSON object)")
+    # read once, as a ds_config: --deepspeed says what it is (its keys are not asked)
+    source = read_source(given, env, kind=ConfigKind.DEEPSPEED)
+    data = source.deepspeed or {}
     if data.get("scheduler") is not None:
         kind = data["scheduler"].get("type") if isinstance(data["scheduler"], Mapping) else data["scheduler"]
         raise XShardConfigError(f"ds_config scheduler {kind!r}: DeepSpeed's schedulers are not implemented by "
@@ -293,8 +296,7 @@ def _from_deepspeed(args: Any, source: dict[str, Any] | str, overrides: dict[str
     values = _script_values(args, env)
     _check_agreement(data, values)
     # train_batch_size "auto" needs the world size: always known here (the arguments set up the devices)
-    return XShardConfig.load(source if isinstance(source, str) else dict(data), overrides=overrides or None,
-                             env=env, script_args=values)
+    return XShardConfig.load(source, overrides=overrides or None, env=env, script_args=values)
 
 
 # ------------------------------------------------------------------------------------------ checks
