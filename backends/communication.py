@@ -95,13 +95,14 @@ class CommunicationAPI:
             kwargs["store"] = dist.HashStore()  # a world of one needs no rendezvous address
         else:
             self.world.export()  # c10d's env:// rendezvous reads them (a Slurm or MPI world sets none)
-            store = restart_store(timeout)
+            store = rendezvous_store(timeout)
             if store is not None:
                 kwargs["store"] = store
         if timeout is not None:
             kwargs["timeout"] = timeout
         kwargs.update(self.process_group_options())
         dist.init_process_group(**kwargs)
+        _Generation.started += 1
         self._owns_process_group = True
         self._collectives = None
         _ExitGuard.owner = self
@@ -238,20 +239,40 @@ def as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedel
     return timeout
 
 
-def restart_store(timeout: datetime.timedelta | None) -> Any:
-    """After a torchrun restart, the agent's store seen under a prefix of this attempt; None otherwise.
+class _Generation:
+    """How many process groups this process has started (each later one rendezvouses under a prefix)."""
 
-    torchrun's workers share its agent's key-value store across restarts (TORCHELASTIC_USE_AGENT_STORE),
-    and the keys a process group publishes there (each rank's address) outlive the attempt that wrote
-    them: a restarted rank may read its peer's old address before the peer wrote its new one, and then
-    fails to connect (gloo: "Connection refused"). A prefix per attempt gives each attempt fresh keys.
+    started = 0
+
+
+def rendezvous_store(timeout: datetime.timedelta | None) -> Any:
+    """The key-value store to rendezvous in, under a prefix of its own where keys of an earlier group
+    could be read; None where torch's own env:// rendezvous is fresh (the first group of a first attempt).
+
+    A process group publishes its ranks' addresses as keys under its name, and the default group is
+    always named "0". Two cases reuse a store whose old keys are still there:
+
+    - a torchrun restart: the workers share the agent's store across attempts
+      (TORCHELASTIC_USE_AGENT_STORE), so a restarted rank may read its peer's address of the last
+      attempt before the peer wrote its new one, and fail to connect (gloo: "Connection refused");
+    - a second group in the same processes (a script that ends its job and starts another
+      Accelerator): c10d shares one store server per port within a process (multi-tenant), and the
+      new group read the old group's addresses and hung connecting to them.
+
+    A prefix per attempt and per group gives each fresh keys; every rank starts its groups in the same
+    order, so they agree on it.
     """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in ("", "0"):
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and attempt != "0"
+    if not agent_store and _Generation.started == 0:
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timeout or datetime.timedelta(minutes=30))
-    return dist.PrefixStore(f"xshard/attempt_{attempt}", store)
+    wait = timeout or datetime.timedelta(minutes=30)
+    if agent_store:  # the agent hosts the store; every worker is a client
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=wait)
+    else:
+        store, _, _ = next(dist.rendezvous("env://", timeout=wait))
+    return dist.PrefixStore(f"xshard/attempt_{attempt}/group_{_Generation.started}", store)
 
 
 class _ExitGuard:

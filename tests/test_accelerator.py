@@ -126,14 +126,16 @@ def _parity_worker(rank, world_size, stages, epochs):
 
 
 def _cases_worker(rank, world_size, folder):
-    """The 2-rank cases below, in turn, in one started job; ``_api_worker`` ends the job, so it comes last."""
+    """The 2-rank cases below, in turn, in the same processes; the first ends three jobs one after another,
+    and the cases after it start a new one."""
     return {
+        "jobs_after_the_end": _jobs_after_the_end_worker(rank, world_size),  # ends its jobs: the rest start anew
         "parity": _parity_worker(rank, world_size, (0, 1, 2, 3), 2),
         "accumulation": _accumulation_worker(rank, world_size),
         "fp16_skip": _fp16_skip_worker(rank, world_size),
         "checkpoint": _checkpoint_worker(rank, world_size, folder),
         "drawn_order": _drawn_order_worker(rank, world_size, folder.parent / "drawn"),
-        "api": _api_worker(rank, world_size),
+        "api": _api_worker(rank, world_size),  # ends the job
     }
 
 
@@ -361,6 +363,31 @@ def test_collectives_and_process_facts(two_ranks):
         on_accelerator, on_state, state_flags = r["accelerate_names"]
         assert on_accelerator == on_state == (r["rank"], 2, r["rank"], last, True, "cpu")
         assert state_flags == (r["main"], r["local_main"])
+
+
+def _jobs_after_the_end_worker(rank, world_size):
+    """Jobs started one after another in the same processes, each ended before the next begins, the last
+    job's objects still alive (a loop that rebinds ``acc``), rank 0 late to each new job."""
+    import time
+
+    import xshard
+
+    sums = []
+    for job in range(3):
+        if rank == 0 and job:  # rank 1 asks for rank 0's address before rank 0 published its new one
+            time.sleep(1.0)
+        acc = xshard.Accelerator(config={"stage": 3}, seed=0)
+        model = acc.prepare(_model())
+        sums.append(acc.reduce(torch.tensor(float(rank + job)), "sum").item())
+        acc.end()
+    return sums, model is not None
+
+
+@pytest.mark.multiprocess
+def test_a_new_job_forms_in_processes_whose_last_job_ended(two_ranks):
+    """A script that ends its job (``end()``) and builds another Accelerator gets a working process group
+    (the new group rendezvouses under its own keys, never the ended group's addresses)."""
+    assert two_ranks["jobs_after_the_end"] == [([1.0, 3.0, 5.0], True)] * 2
 
 
 def _unseeded_worker(rank, world_size):
