@@ -39,7 +39,7 @@ demo-minimal: install
 test: install vendor-wheels
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck
-	$(VENDOR_ENV) $(BIN)/python -m pytest -q
+	$(VENDOR_ENV) $(BIN)/python -m pytest -q --durations=25
 	$(MAKE) --no-print-directory test-xla
 
 # The single-process tests: everything but the tests marked `multiprocess` (they start jobs of several
@@ -115,7 +115,7 @@ $(XLA_VENV)/.installed: pyproject.toml
 install-xla: $(XLA_VENV)/.installed
 
 test-xla: install-xla
-	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -q -m xla tests
+	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -q --durations=10 -m xla tests
 
 clean-xla:
 	rm -rf $(XLA_VENV)
