@@ -1,7 +1,7 @@
 """Accelerate's ``ProjectConfiguration``: where a run keeps its files.
 
 A configuration object, so it lives with the configuration (``accelerate_args`` builds the default
-one); what the Accelerator does with it (automatic checkpoint naming) is ``xshard.project``.
+one); what the Accelerator does with it (automatic checkpoint naming) is ``xshard.accelerate_compat.project``.
 """
 
 from __future__ import annotations
