@@ -677,7 +677,8 @@ class Accelerator:
 
     @property
     def use_seedable_sampler(self) -> bool:
-        """Always True: shuffles come from one seed, the same order on every rank."""
+        """Always True: a shuffle comes from one seed and the epoch, the same order on every rank (a loader
+        with its own ``torch.Generator`` draws from it instead, with rank 0's state: ``xshard.data.DrawnOrder``)."""
         return True
 
     @property
