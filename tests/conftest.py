@@ -44,6 +44,16 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
+@pytest.fixture
+def cpu_backend(clean_env):
+    """The CPU backend with its one-process group (world size 1): what single-process sharding tests shard on."""
+    from xshard.backends import get_backend
+
+    backend = get_backend("cpu")
+    backend.init_process_group()
+    return backend
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny random Qwen2 and its tokenizer, saved as a from_pretrained folder by the Qwen example's own
@@ -54,6 +64,21 @@ def tiny_model(tmp_path_factory) -> Path:
                     "--data_path", str(example / "data" / "alpaca_synthetic.json")],
                    check=True, capture_output=True, timeout=120)
     return out
+
+
+@pytest.fixture(scope="session")
+def _parity_world2_results(request):
+    """Every selected 2-rank parity case of this run, trained in one gloo job (support/parity_world.py)."""
+    from support.parity_world import groups_of, run_shared
+
+    return run_shared(2, groups_of(request.session.items, "world2"))
+
+
+@pytest.fixture(scope="module")
+def world2(request, _parity_world2_results):
+    """The results of this file's ``WORLD2_GROUPS`` on 2 ranks: group -> one entry per case -> one per rank.
+    Every parity file shares the one job (support/parity_world.py)."""
+    return _parity_world2_results[request.module.__name__]
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.distributed import run_workers
-from torch import nn
+from support.models import RegressionNet, regression_data
 from torch.utils.data import DataLoader, TensorDataset
 
 from xshard.data import ShardSampler
@@ -19,41 +19,13 @@ from xshard.data import ShardSampler
 N, DIM, BATCH, WORLD, ACCUM, CLIP = 32, 8, 2, 2, 2, 0.05
 
 
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(width, width)
-        self.norm = nn.LayerNorm(width)
-
-    def forward(self, x):
-        return x + torch.tanh(self.lin(self.norm(x)))
-
-
-class Net(nn.Module):
-    _no_split_modules = ["Block"]
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(DIM, 16)
-        self.blocks = nn.ModuleList(Block(16) for _ in range(3))
-        self.out = nn.Linear(16, 1)
-
-    def forward(self, x, y):
-        h = self.inp(x)
-        for b in self.blocks:
-            h = b(h)
-        return nn.functional.mse_loss(self.out(h).squeeze(-1), y)
-
-
 def _data() -> TensorDataset:
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(N, DIM, generator=g)
-    return TensorDataset(x, x.sum(-1).sin())
+    return regression_data(N, DIM)
 
 
-def _model() -> Net:
+def _model() -> RegressionNet:
     torch.manual_seed(0)
-    return Net()
+    return RegressionNet(DIM, width=16, depth=3)
 
 
 def _optimizer(model):
@@ -345,7 +317,7 @@ def _api_worker(rank, world_size):
     return {
         "gathered": gathered, "scalars": scalars, "nested": nested["a"], "sum": summed.item(),
         "mean": mean.item(), "main": acc.is_main_process, "local_main": acc.is_local_main_process,
-        "rank": acc.rank, "world": acc.world_size, "inner_is_net": type(inner).__name__ == "Net",
+        "rank": acc.rank, "world": acc.world_size, "inner_is_net": type(inner) is RegressionNet,
         "accelerate_names": accelerate_names,
     }
 
@@ -395,7 +367,7 @@ def _unseeded_worker(rank, world_size):
 
     acc = xshard.Accelerator(config={"stage": 0})  # no seed anywhere: ranks build different models
     torch.manual_seed(100 + rank)
-    model = acc.prepare(Net())
+    model = acc.prepare(RegressionNet(DIM, width=16, depth=3))
     return {k: v.clone() for k, v in model.module.state_dict().items()}
 
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 from support.distributed import run_workers
-from torch import nn
+from support.models import RegressionNet, regression_data
 from torch.utils.data import DataLoader, TensorDataset
 
 from xshard.data import ShardSampler
@@ -21,37 +21,15 @@ N, DIM, K = 32, 8, 5  # samples, features, steps before / after the save
 GLOBAL_BATCH = 4
 
 
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.lin = nn.Linear(width, width)
-
-    def forward(self, h):
-        return torch.tanh(self.lin(self.norm(h)))
-
-
-class Net(nn.Module):
-    _no_split_modules = ["Block"]
+class Net(RegressionNet):
+    """The checkpoint tests' model: two residual blocks on ``DIM`` features."""
 
     def __init__(self, dropout: float = 0.0, width: int = 16) -> None:
-        super().__init__()
-        self.inp = nn.Linear(DIM, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(2))
-        self.drop = nn.Dropout(dropout)
-        self.out = nn.Linear(width, 1)
-
-    def forward(self, x, y):
-        h = self.inp(x)
-        for b in self.blocks:
-            h = h + self.drop(b(h))
-        return nn.functional.mse_loss(self.out(h).squeeze(-1), y)
+        super().__init__(DIM, width, depth=2, dropout=dropout)
 
 
 def _data() -> TensorDataset:
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(N, DIM, generator=g)
-    return TensorDataset(x, x.sum(-1).sin())
+    return regression_data(N, DIM)
 
 
 def _job(world_size, stage=3, dropout=0.0, width=16, state_dict_type="full"):

@@ -4,22 +4,26 @@ Every case trains TinyLM (dims 10/14/23: nothing divides by the world size, so s
 LM head tied to the embedding; AdamW with no decay on norms and biases) or a tiny Qwen2ForCausalLM,
 and compares the rank-averaged losses and the final full parameters with a single-process run.
 fp32 cases: atol 1e-5. Low-precision cases: see ``test_mixed_precision_matches``.
+CPU offload and activation checkpointing have files of their own (``test_offload.py``,
+``test_activation_checkpointing.py``); their 2-rank cases run in the same job as this file's
+(``support/parity_world.py``).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from support.distributed import run_workers
-from support.sharding_harness import assert_matches, case, reference, run_cases
+from support.parity_world import check_group, run_shared
+from support.sharding_harness import case
 
 pytestmark = pytest.mark.multiprocess
 
 FP32_ATOL = 1e-5
 BF16 = dict(param_dtype=torch.bfloat16)
 
-# Every case of one world size runs in ONE spawned job (process start-up dominates); the tests
-# below each check their own group of cases against the single-process reference.
+# Every case of one world size runs in ONE spawned job (process start-up dominates; the 2-rank job is
+# shared with the other parity files); the tests below each check their own group of cases against the
+# single-process reference.
 GROUPS: dict[str, list[dict]] = {
     "stages": [
         *[case(stage=s) for s in (0, 1, 2, 3)],
@@ -35,25 +39,17 @@ GROUPS: dict[str, list[dict]] = {
         # gradient accumulation with no_sync, and global-norm clipping (2-norm and inf-norm)
         case(stage=0, micro=2, clip=0.05), case(stage=1, micro=3, clip=0.05, frozen=True),
         case(stage=2, micro=2, clip=0.05), case(stage=3, micro=2, clip=0.05, clip_type=float("inf")),
-        # CPU offload of parameter shards, gradients and optimizer state
-        case(stage=3, options=dict(offload_params=True)), case(stage=2, options=dict(offload_optimizer=True)),
-        # activation checkpointing, prefetch variants, in-flight bound, other wrap policies
-        case(stage=3, options=dict(activation_checkpointing=True)),
-        case(stage=3, checkpoint_calls=True), case(stage=2, checkpoint_calls=True, reuse=True),
+        # prefetch variants, in-flight bound, other wrap policies
         case(stage=3, options=dict(forward_prefetch=True, backward_prefetch="post", max_inflight_all_gathers=3)),
         case(stage=3, options=dict(backward_prefetch="none", max_inflight_all_gathers=1)),
         case(stage=3, policy="size", options=dict(min_num_params=100)), case(stage=3, policy="none"),
         # nested units: a gated block (own gate + norm = 30 parameters) around its unit children up/down
-        case(stage=3, policy="size", gated=True, options=dict(min_num_params=25, activation_checkpointing=True)),
         case(stage=2, policy="size", gated=True, micro=2, options=dict(min_num_params=25)),
         case(stage=1, options=dict(bucket_size_mb=0.001)),
         case(stage=0, options=dict(bucket_size_mb=0.001)),  # many stage-0 buckets, issued as they fill
     ],
     "qwen2": [
         case(stage=3, model="qwen2"),
-        case(stage=2, model="qwen2", options=dict(activation_checkpointing=True)),
-        case(stage=3, model="qwen2", frozen=True, options=dict(activation_checkpointing=True), clip=0.5),
-        case(stage=3, model="qwen2", hf_checkpointing=True),
     ],
     # low precision: SGD, because Adam would amplify rounding noise on near-zero gradients
     "mixed": [
@@ -66,33 +62,17 @@ GROUPS: dict[str, list[dict]] = {
     # fp16 reduce at 4 ranks: SUM with a pre-divide by 2 and a post-divide by 2 (overflow guard)
     "fp16": [case(stage=2, optimizer="sgd", options=dict(param_dtype=torch.float16, reduce_dtype=torch.float16))],
 }
+WORLD2_GROUPS = GROUPS  # every group runs on 2 ranks (the ``world2`` fixture of conftest.py)
 WORLD4 = ["stages", "fp16"]
-
-
-def _run(world_size: int, groups: list[str]) -> dict[str, list[list[dict]]]:
-    cases = [c for g in groups for c in GROUPS[g]]
-    flat = run_workers(run_cases, world_size, cases, timeout=280)
-    out, i = {}, 0
-    for g in groups:
-        n = len(GROUPS[g])
-        out[g] = [[rank_results[i + j] for rank_results in flat] for j in range(n)]
-        i += n
-    return out
-
-
-@pytest.fixture(scope="module")
-def world2() -> dict[str, list[list[dict]]]:
-    return _run(2, list(GROUPS))
 
 
 @pytest.fixture(scope="module")
 def world4() -> dict[str, list[list[dict]]]:
-    return _run(4, WORLD4)
+    return run_shared(4, {__name__: {g: GROUPS[g] for g in WORLD4}})[__name__]
 
 
 def _check(group: str, results: dict, atol: float = FP32_ATOL, rtol: float = 0.0) -> None:
-    for c, per_rank in zip(GROUPS[group], results[group], strict=True):
-        assert_matches(per_rank, reference(c), atol=atol, rtol=rtol, label=f"{group} case {c}")
+    check_group(GROUPS[group], results[group], group, atol=atol, rtol=rtol)
 
 
 def test_every_stage_matches_single_process_2_ranks(world2) -> None:

@@ -1,4 +1,5 @@
-"""Tiny models shared by tests: a transformer-shaped LM with awkward sizes, and a tiny Qwen2.
+"""Tiny models shared by tests: a transformer-shaped LM with awkward sizes, a tiny Qwen2, and a residual
+regression net (the Accelerator and checkpoint tests' model) with its data.
 
 Sizes are chosen so that no dimension divides by 2 or 4 where it matters (padding is exercised),
 and the LM head is tied to the embedding by default (tied weights across modules).
@@ -64,6 +65,45 @@ class TinyLM(nn.Module):
         if labels is None:
             return logits
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+class ResidualBlock(nn.Module):
+    """LayerNorm -> Linear -> tanh: one block of ``RegressionNet`` (the net adds the residual)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(self.norm(h)))
+
+
+class RegressionNet(nn.Module):
+    """``dim`` features -> ``depth`` residual blocks of ``width`` (dropout on each block's output) -> one value;
+    ``forward(x, y)`` returns the MSE loss against ``y``. Units: one per ``ResidualBlock``."""
+
+    _no_split_modules = ["ResidualBlock"]
+
+    def __init__(self, dim: int = 8, width: int = 16, depth: int = 3, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, width)
+        self.blocks = nn.ModuleList(ResidualBlock(width) for _ in range(depth))
+        self.drop = nn.Dropout(dropout)
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + self.drop(block(h))
+        return nn.functional.mse_loss(self.out(h).squeeze(-1), y)
+
+
+def regression_data(n: int = 32, dim: int = 8) -> torch.utils.data.TensorDataset:
+    """``n`` fixed random inputs of ``dim`` features and their targets ``sin(sum(x))``."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, dim, generator=g)
+    return torch.utils.data.TensorDataset(x, x.sum(-1).sin())
 
 
 def make_tiny(seed: int = 0, **kwargs) -> TinyLM:

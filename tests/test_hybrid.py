@@ -1,4 +1,6 @@
-"""Hybrid sharding and reshard_after_forward on 4 gloo ranks: parity with plain PyTorch, bytes per group kind.
+"""Hybrid sharding (``shard_group_size``, FSDP's HYBRID_SHARD) and reshard_after_forward: the core's policy
+for shard groups and replica groups, owned by this file. One process checks the options against the world
+size; 4 gloo ranks check parity with plain PyTorch and the bytes per group kind.
 
 The 4 ranks are 2 simulated nodes of 2 (LOCAL_WORLD_SIZE=2, as ``xshard launch --nnodes 2 --nproc 2``
 sets it): shard groups [0 1] [2 3], replica groups [0 2] [1 3]. Every case trains TinyLM (sizes that
@@ -24,7 +26,7 @@ from support.models import make_tiny
 from support.sharding_harness import assert_matches, case, reference, run_cases
 from test_sharding_accounting import ROOT, psi_bytes
 
-pytestmark = pytest.mark.multiprocess
+from xshard.sharding import ShardingOptions
 
 WORLD, NODE = 4, 2
 FP32_ATOL = 1e-5
@@ -55,6 +57,7 @@ def results() -> dict[str, list[dict]]:
     return {name: [r[i] for r in per_rank] for i, name in enumerate(CASES)}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(CASES))
 def test_hybrid_and_reshard_variants_match_plain_pytorch(results, name) -> None:
     res = results[name]
@@ -74,6 +77,7 @@ def _flags(model: torch.nn.Module) -> int:
     return 4 * sum(1 for p in dict.fromkeys(model.parameters()) if p.requires_grad)
 
 
+@pytest.mark.multiprocess
 def test_bytes_per_group_kind_match_the_formulas(results) -> None:
     model = make_tiny()
     psi_g, psi_g_root = psi_bytes(model, NODE), psi_bytes(model, NODE, names=ROOT)
@@ -103,3 +107,31 @@ def test_bytes_per_group_kind_match_the_formulas(results) -> None:
     for rank_result in results["stage-2-reshard"]:
         for step in rank_result["comm"]:
             assert step["bytes"] == {"all_gather": 2 * psi_4 - psi_4_root, "reduce_scatter": psi_4 + n_flags * WORLD}
+
+
+def test_hybrid_and_reshard_options_are_checked_against_the_world() -> None:
+    from xshard.sharding import ReshardAfterForward, ShardingPlan
+
+    plan = ShardingPlan.from_options(ShardingOptions(stage="HYBRID_SHARD"), world_size=16, local_world_size=8)
+    assert (plan.stage, plan.shard_group_size, plan.replicas) == (3, 8, 2)
+    plan = ShardingPlan.from_options(ShardingOptions(stage=3, reshard_after_forward=4), world_size=16)
+    assert plan.reshard_after_forward == ReshardAfterForward(True, post_forward_group_size=4)
+    # FSDP2's edge values: a group of one keeps the whole parameter, the whole shard group is True
+    assert ShardingPlan.from_options(ShardingOptions(stage=3, reshard_after_forward=1), 8).reshard_after_forward \
+        == ReshardAfterForward(False)
+    assert ShardingPlan.from_options(ShardingOptions(stage=3, reshard_after_forward=8), 8).reshard_after_forward \
+        == ReshardAfterForward(True)
+    assert not ShardingPlan.from_options(ShardingOptions(stage=3, reshard_after_forward=False), 8) \
+        .reshard_after_forward.frees
+    with pytest.raises(ValueError, match="shard_group_size=3 must divide the world size 8"):
+        ShardingPlan.from_options(ShardingOptions(stage=3, shard_group_size=3), world_size=8)
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=3 does not divide WORLD_SIZE=8"):
+        ShardingPlan.from_options(ShardingOptions(stage=2, shard_group_size="node"), 8, local_world_size=3)
+    with pytest.raises(ValueError, match="reshard_after_forward=3 must divide the shard group size 4"):
+        ShardingPlan.from_options(ShardingOptions(stage=3, shard_group_size=4, reshard_after_forward=3), 8)
+    with pytest.raises(ValueError, match="stage 0 shards nothing"):
+        ShardingPlan.from_options(ShardingOptions(stage=0, shard_group_size=2), world_size=4)
+    with pytest.raises(ValueError, match="shard_group_size='half' is not valid"):
+        ShardingOptions(shard_group_size="half")
+    with pytest.raises(ValueError, match="reshard_after_forward=0 is not valid"):
+        ShardingOptions(reshard_after_forward=0)
