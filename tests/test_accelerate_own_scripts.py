@@ -76,9 +76,10 @@ def _launch(tmp_path: Path, stage: int, script: str, *functions: str) -> subproc
 def _passed(proc: subprocess.CompletedProcess, *functions: str) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
-    assert proc.stdout.count("SHIM DONE") == 2, out[-3000:]  # both processes reached the end
+    lines = proc.stdout.splitlines()
+    assert lines.count("SHIM DONE") == 2, out[-3000:]  # both processes reached the end
     for name in functions:
-        assert proc.stdout.count(f"SHIM PASSED {name}") == 2, out[-3000:]
+        assert lines.count(f"SHIM PASSED {name}") == 2, out[-3000:]
 
 
 def _known(proc: subprocess.CompletedProcess, *signs: str) -> None:

@@ -14,6 +14,7 @@ A FUNCTION written ``name:key=value`` is called with that keyword argument (``va
 from __future__ import annotations
 
 import ast
+import os
 import runpy
 import sys
 
@@ -38,8 +39,14 @@ def main() -> None:
             name, _, argument = call.partition(":")
             key, _, value = argument.partition("=")
             namespace[name](**({key: ast.literal_eval(value)} if argument else {}))
-            print(f"SHIM PASSED {call}", flush=True)
-    print("SHIM DONE", flush=True)
+            _say(f"SHIM PASSED {call}")
+    _say("SHIM DONE")
+
+
+def _say(line: str) -> None:
+    """One whole line on stdout in one write: the two processes share the pipe, and print() writes in pieces."""
+    sys.stdout.flush()
+    os.write(1, f"{line}\n".encode())
 
 
 if __name__ == "__main__":
