@@ -7,17 +7,23 @@ Starts 2 gloo ranks (`xshard launch --nproc 2`). Each rank trains a stack of bia
 at stage 3 with AdamW and measures, per way of saving, what one checkpoint costs the training loop:
 
     stall = (time of the save call + the steps after it + the wait before the next save)
-            - (the same number of steps without a save, at the median step time measured first)
+            - (the same number of steps without a save, timed right before it)
 
 so the stall of an async save counts its copy to host memory, the steps slowed by the background
-write sharing the CPU, and whatever is left to wait for. Every save writes the "sharded" checkpoint
+write sharing the CPU, and whatever is left to wait for. The first async save also allocates its host
+buffers; the later ones reuse them (each save's figures are printed, then the median). The steps
+without a save are timed right before each save, so that a machine whose load drifts (a shared one)
+moves both sides of the difference alike. Every save writes the "sharded" checkpoint
 (each rank its own rows of the model and the optimizer state, with fsync), so the ranks write in
 parallel. torch.distributed.checkpoint (DCP) saves the same tensors (this rank's parameter rows and
 AdamW moments, keys prefixed by rank) with its own async_save.
 
 Host memory: the bytes of host buffers the async save allocated on each rank against the theory (one
 copy of the bytes this rank writes), and each rank's resident set size before and after the first
-async save. Prints one JSON line per rank and a table from rank 0.
+async save. Also: how long xshard's background write took on each rank (from the call's return to its
+files, and on rank 0 the commit, being done), and the machine's 1-minute load average before and
+after each way of saving (on a shared machine the ratios move with it). Prints one JSON line per rank
+and a table from rank 0.
 """
 
 from __future__ import annotations
@@ -79,8 +85,11 @@ def rank_main(args: argparse.Namespace) -> None:
     results: dict[str, dict[str, float]] = {}
 
     def measure(name: str, save, wait) -> None:
-        stalls, calls = [], []
+        stalls, calls, writes = [], [], []
+        load_before = os.getloadavg()[0]
         for i in range(args.repeats):
+            acc.wait_for_everyone()
+            without = sum(timed_steps(args.steps))
             acc.wait_for_everyone()
             start = time.perf_counter()
             save(out / f"{name}-{i}")
@@ -88,9 +97,13 @@ def rank_main(args: argparse.Namespace) -> None:
             timed_steps(args.steps)
             wait()
             total = time.perf_counter() - start
-            stalls.append(total - args.steps * base)
+            stalls.append(total - without)
             calls.append(called)
-        results[name] = {"stall_s": statistics.median(stalls), "call_s": statistics.median(calls)}
+            if name == "xshard_async":
+                writes.append(acc.job.async_saver.write_seconds)
+        results[name] = {"stall_s": statistics.median(stalls), "call_s": statistics.median(calls),
+                         "stalls_s": stalls, "calls_s": calls, "writes_s": writes,
+                         "load": [load_before, os.getloadavg()[0]]}
 
     rss_before = _rss()
     measure("blocking", lambda p: acc.save_state(p), lambda: None)
@@ -156,14 +169,22 @@ def main() -> None:
     first = records[0]
     print(f"model {first['params'] / 1e6:.0f}M parameters, 2 ranks, stage 3, AdamW, 'sharded' checkpoints; "
           f"median step {first['step_s']:.2f} s")
-    print(f"{'save':<14}{'save call (s)':<18}{'call / blocking':<17}{'stall (s), per rank':<24}{'stall / blocking':<16}")
+    print(f"{'save':<14}{'save call (s)':<18}{'call / blocking':<17}{'stall (s), per rank':<24}{'stall / blocking':<18}"
+          "load (1 min) before, after")
     for name in records[0]["results"]:
         stalls = [r["results"][name]["stall_s"] for r in records]
         calls = [r["results"][name]["call_s"] for r in records]
         call_ratio = max(calls) / max(r["results"]["blocking"]["call_s"] for r in records)
         ratio = max(stalls) / max(r["results"]["blocking"]["stall_s"] for r in records)
+        load = records[0]["results"][name]["load"]
         print(f"{name:<14}{' / '.join(f'{c:.2f}' for c in calls):<18}{call_ratio:<17.2f}"
-              f"{' / '.join(f'{s:.2f}' for s in stalls):<24}{ratio:.2f}")
+              f"{' / '.join(f'{s:.2f}' for s in stalls):<24}{ratio:<18.2f}{load[0]:.1f}, {load[1]:.1f}")
+    for name in records[0]["results"]:
+        for r in records:
+            res = r["results"][name]
+            writes = f"; background write (s) {', '.join(f'{w:.2f}' for w in res['writes_s'])}" if res["writes_s"] else ""
+            print(f"  {name} rank {r['rank']}, each save: call (s) {', '.join(f'{c:.2f}' for c in res['calls_s'])}; "
+                  f"stall (s) {', '.join(f'{s:.2f}' for s in res['stalls_s'])}{writes}")
     for r in records:
         print(f"rank {r['rank']}: async host buffers {r['host_buffers_bytes'] / 1e9:.2f} GB (theory {r['theory_bytes'] / 1e9:.2f}"
               f" GB), RSS added {r['rss_added_bytes'] / 1e9:.2f} GB; DCP: {r['dcp']}")

@@ -20,6 +20,14 @@ checkpoints on rank 0, the whole model; ``state_dict_type="sharded"`` spreads th
 ranks too). The buffers are kept and reused by the next save of the same sizes; on backends that
 pin host memory (``Backend.pins_host_memory``) they are page-locked once, and the copies from the
 device run asynchronously.
+
+CPU: the background thread's work is hashing (xxh3-128, ``checksum.py``) and copying into the page
+cache, about 0.3 s of one core per GB. It runs at the training's CPU priority, on purpose: at the
+lowest (nice 19, per thread on Linux) training slowed less on a machine with a core to spare, but
+2.8x per step instead of 1.5x on one whose cores other processes kept busy (dataloader workers can):
+the GIL. Each time the writer comes back from a call that released the GIL it asks for it, and the
+training thread, made to hand it over, waits until the writer runs, which a starved low-priority
+thread does late. A writer in a process of its own would not share the GIL; not done.
 """
 
 from __future__ import annotations
@@ -165,6 +173,8 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._path: Path | None = None
+        #: seconds this rank's last background write took (files, fragment and, on rank 0, the commit)
+        self.write_seconds: float | None = None
         atexit.register(self._report_at_exit)
 
     @classmethod
@@ -182,13 +192,14 @@ class AsyncSaver:
         writer = StagingWriter(self.rank, self.staging)
         tables = write_files(writer)
         synchronize()  # the copies from the device are complete before training changes the tensors
-        self._path, self._error = final, None
+        self._path, self._error, self.write_seconds = final, None, None
         self._thread = threading.Thread(target=self._write, args=(tmp, writer, tables, commit),
                                         name=f"xshard-async-save-{final.name}", daemon=False)
         self._thread.start()
         log.info("saving %s in the background (%.2f GB of host buffers)", final, self.staging.bytes_allocated / 1e9)
 
     def _write(self, tmp: Path, staged: StagingWriter, tables: dict[str, Any], commit: Callable[[], None] | None) -> None:
+        started = time.perf_counter()
         try:
             writer = FileWriter(tmp, self.rank)
             staged.replay(writer)
@@ -201,6 +212,7 @@ class AsyncSaver:
             if commit is not None:
                 self._wait_for_fragments(tmp)
                 commit()
+            self.write_seconds = time.perf_counter() - started
         except BaseException as exc:  # kept for the next call on the training thread
             self._error = exc
             if self.rank != 0:  # so that rank 0 stops waiting for this rank's fragment

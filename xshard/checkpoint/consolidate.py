@@ -3,7 +3,7 @@
 The output's name says what it is: a name ending in ``.safetensors`` is that one file (the state
 dict); any other name is a folder holding ``model.safetensors`` and, when the checkpoint has the
 model's ``config.json`` (transformers models), that too, so ``from_pretrained`` loads the folder.
-Every file is checked against the checkpoint's manifest (size, sha256) while it is read, and the
+Every file is checked against the checkpoint's manifest (size, checksum) while it is read, and the
 output file appears whole or not at all.
 """
 

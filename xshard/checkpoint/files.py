@@ -17,14 +17,14 @@ folders of the series just saved (``checkpoint-<n>``) that hold a manifest, dele
 a manifest lists, and keeps a folder that holds anything else.
 
 Every file is created with ``open`` (the user's umask applies to all of them alike) and hashed as
-it is written (``tensorfile.HashingFile``), so a save reads nothing back.
+it is written (``tensorfile.HashingFile``; the algorithm and why: ``checksum.py``), so a save reads
+nothing back.
 """
 
 from __future__ import annotations
 
 import difflib
 import errno
-import hashlib
 import json
 import os
 import re
@@ -38,13 +38,15 @@ from typing import IO, Any, cast
 import torch
 
 from ..backends.errors import XShardError
+from . import checksum
 from .manifest_check import check_manifest, is_plain_name
 from .tensorfile import HashingFile, write_safetensors
 
 MANIFEST = "xshard_state.json"
-#: 3: "full" checkpoints store the optimizer by rows (they reshard); 2 is still read
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (2, 3)
+#: 4: files are checksummed with xxh3-128 (checksum.py); 3: "full" checkpoints store the optimizer by
+#: rows (they reshard); 2 and 3 (sha256) are still read
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)
 TMP_SUFFIX = ".tmp"
 OLD_SUFFIX = ".old"
 DELETED_SUFFIX = ".deleted"
@@ -98,17 +100,6 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def sha256(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks (``on_bytes`` hears of each block's size)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-            if on_bytes is not None:
-                on_bytes(len(block))
-    return h.hexdigest()
-
-
 class FileWriter:
     """Writes one rank's files into a checkpoint folder and remembers their size and checksum.
 
@@ -149,7 +140,7 @@ class FileWriter:
             self.bytes_needed += out.bytes
             return
         self.bytes_needed += out.bytes
-        self.files[name] = {"bytes": out.bytes, "sha256": out.hexdigest()}
+        self.files[name] = {"bytes": out.bytes, checksum.WRITTEN: out.hexdigest()}
         if self._fail_after is not None and len(self.files) >= self._fail_after:
             # Half a file too, as a killed writer would leave it.
             (self.folder / f"partial.rank{self.rank}.safetensors").write_bytes(b"\0" * 16)
@@ -217,7 +208,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
 
 def verify_file(folder: Path, name: str, manifest: dict[str, Any],
                 on_bytes: Callable[[int], None] | None = None) -> Path:
-    """Check ``name`` against the manifest's size and sha256 before anything reads it."""
+    """Check ``name`` against the manifest's size and checksum before anything reads it."""
     path = folder / name
     entry = manifest.get("files", {}).get(name)
     if entry is None:
@@ -232,9 +223,13 @@ def verify_file(folder: Path, name: str, manifest: dict[str, Any],
     if size != entry["bytes"]:
         raise CheckpointError(f"{path} is truncated or overwritten: {size} bytes, {MANIFEST} files[{name!r}] "
                               f"says {entry['bytes']}; load another checkpoint")
-    if sha256(path, on_bytes) != entry["sha256"]:
-        raise CheckpointError(f"{path} is corrupted: its sha256 does not match {MANIFEST} files[{name!r}]; "
-                              "load another checkpoint")
+    algorithm = checksum.algorithm_of(entry)
+    if algorithm is None:  # read_manifest refused such an entry already; a caller's own manifest may not be checked
+        raise CheckpointError(f"{folder / MANIFEST}: files[{name!r}] names no checksum this xshard knows "
+                              f"({', '.join(checksum.ALGORITHMS)}); load another checkpoint")
+    if checksum.file_digest(path, algorithm, on_bytes) != entry[algorithm]:
+        raise CheckpointError(f"{path} is corrupted: its {algorithm} checksum does not match {MANIFEST} "
+                              f"files[{name!r}]; load another checkpoint")
     return path
 
 

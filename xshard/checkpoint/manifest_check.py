@@ -11,11 +11,10 @@ point the load (or ``xshard consolidate``) at any file on the machine.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+from .checksum import WRITTEN, algorithm_of
 
 
 def is_plain_name(name: str) -> bool:
@@ -39,10 +38,9 @@ def check_manifest(path: Path, manifest: Any, error: type[Exception]) -> None:
         if not is_plain_name(name):
             raise error(f"{path}: files[{name!r}] is not a plain file name inside the checkpoint folder (no '..', "
                         "no '/', no absolute path); the manifest was edited or crafted: load another checkpoint")
-        if not isinstance(entry, dict) or not _count(entry.get("bytes")) \
-                or not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
-            raise error(f"{path}: files[{name!r}] is {entry!r}, expected {{'bytes': <size>, 'sha256': <64 hex "
-                        "digits>}}; load another checkpoint")
+        if not isinstance(entry, dict) or not _count(entry.get("bytes")) or algorithm_of(entry) is None:
+            raise error(f"{path}: files[{name!r}] is {entry!r}, expected {{'bytes': <size>, '{WRITTEN}': <32 hex "
+                        "digits>} (or 'sha256': <64 hex digits> before format 4); load another checkpoint")
     for key in ("step", "micro_step", "world_size", "models", "optimizers", "schedulers", "data_loaders"):
         if key in manifest and not _count(manifest[key]):
             raise error(f"{path}: key {key!r} is {manifest[key]!r}, expected a whole number >= 0; the manifest was "

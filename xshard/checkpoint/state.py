@@ -5,7 +5,7 @@ A checkpoint folder holds:
     xshard_state.json            the manifest, written last: format version, xshard version, world size,
                                  shard group size (hybrid sharding), stage, backend, state_dict_type,
                                  step, the xshard config, row tables of
-                                 every tensor, and the size and sha256 of every other file
+                                 every tensor, and the size and checksum of every other file
     model*.safetensors           model weights (formats.py: one plain state dict for "full", rows
                                  per rank for "sharded" and "local")
     optimizer*                   optimizer state (by rows for "full" and "sharded": any world size and

@@ -1,18 +1,17 @@
-"""Writing files in one pass: safetensors from CPU tensors, ``torch.save`` data, text; sha256 as they go.
+"""Writing files in one pass: safetensors from CPU tensors, ``torch.save`` data, text; checksums as they go.
 
 Design note, why xshard writes safetensors itself: ``safetensors.torch.save_file`` builds the whole
 file in memory, creates it with mode 0600 whatever the user's umask, and gives no progress; a
 checksum then needs a second full read of a file that may be tens of GB. The format is small (an
 8-byte little-endian header length, a JSON header naming each tensor's dtype, shape and byte range,
 then the raw little-endian bytes, back to back), so ``write_safetensors`` streams each tensor's
-bytes straight to the file, updating the sha256 and a progress callback on the way, and the file is
-created by ``open`` like every other file xshard writes (the user's umask applies). Files are read
-back with the ``safetensors`` package, which checks the header.
+bytes straight to the file, updating the checksum (``checksum.py``) and a progress callback on the
+way, and the file is created by ``open`` like every other file xshard writes (the user's umask
+applies). Files are read back with the ``safetensors`` package, which checks the header.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+
+from .checksum import new_hasher
 
 __all__ = ["HashingFile", "SAFETENSORS_DTYPES", "atomic_path", "write_safetensors"]
 
@@ -36,11 +37,12 @@ _CHUNK = 64 << 20  # bytes per write: progress moves and memory stays flat on mu
 
 
 class HashingFile:
-    """A binary file object that keeps the sha256 and the size of everything written through it."""
+    """A binary file object that keeps the checksum (``checksum.WRITTEN``) and the size of everything written
+    through it."""
 
     def __init__(self, file: IO[bytes], on_bytes: Callable[[int], None] | None = None) -> None:
         self.file = file
-        self.hash = hashlib.sha256()
+        self.hash = new_hasher()
         self.bytes = 0
         self.on_bytes = on_bytes
 
@@ -57,7 +59,7 @@ class HashingFile:
         self.file.flush()
 
     def hexdigest(self) -> str:
-        """The sha256 of all bytes written so far."""
+        """The hex checksum of all bytes written so far."""
         return self.hash.hexdigest()
 
 
