@@ -6,7 +6,7 @@
                                                                   # so that from_pretrained loads it
 
 OUT ending in ``.safetensors`` is that file; any other OUT is a folder. Every file is checked
-against the checkpoint's manifest (size, sha256) while it is read.
+against the checkpoint's manifest (size and checksum) while it is read.
 """
 
 from __future__ import annotations
