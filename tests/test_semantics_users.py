@@ -192,6 +192,10 @@ def _buffers_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     ddp = DistributedDataParallel(BNNet())
     out = {"ddp": {k.removeprefix("module."): v for k, v in _bn_train(ddp, rank).items()}}
+    # The reference DDP goes before the process group does: once in a full run under load, rank 0 hung
+    # after its work with no Python frame, and DDP's reducer, freed at return after the group was
+    # destroyed, is what still held the group then (its threads are joined when the last holder goes).
+    del ddp
     for stage in STAGES:
         torch.manual_seed(0)
         out[stage] = _bn_train(shard_model(BNNet(), backend, ShardingOptions(stage=stage)), rank)
