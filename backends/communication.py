@@ -256,8 +256,8 @@ def rendezvous_store(timeout: datetime.timedelta | None) -> Any:
       (TORCHELASTIC_USE_AGENT_STORE), so a restarted rank may read its peer's address of the last
       attempt before the peer wrote its new one, and fail to connect (gloo: "Connection refused");
     - a second group in the same processes (a script that ends its job and starts another
-      Accelerator): c10d shares one store server per port within a process (multi-tenant), and the
-      new group read the old group's addresses and hung connecting to them.
+      Accelerator): the store still held the ended group's addresses, and when rank 0 came late the
+      new group read them and failed to connect ("Connection refused" after the timeout).
 
     A prefix per attempt and per group gives each fresh keys; every rank starts its groups in the same
     order, so they agree on it.
