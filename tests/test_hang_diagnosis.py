@@ -8,7 +8,9 @@ and which collective rank 0 waits in (not the process group's "rank 0 timed out"
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 from support.distributed import run_workers
@@ -16,7 +18,19 @@ from support.distributed import run_workers
 pytestmark = pytest.mark.multiprocess
 
 
-def _stuck_worker(rank: int, world: int) -> dict:
+def _stay_away(out: str, seconds: float) -> None:
+    """The stuck rank's own code: it stays away until the waiting rank has its error (``_done``), at most
+    ``seconds`` (longer than the timeout), so that the test takes as long as the diagnosis, not the cap."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not (Path(out) / "done").exists():
+        time.sleep(0.1)
+
+
+def _done(out: str) -> None:
+    (Path(out) / "done").touch()
+
+
+def _stuck_worker(rank: int, world: int, out: str) -> dict:
     import torch
     from xshard.backends.errors import CollectiveTimeoutError
 
@@ -30,18 +44,20 @@ def _stuck_worker(rank: int, world: int) -> dict:
     acc.backward(model(x).pow(2).mean())
     opt.step()
     if rank == 1:
-        time.sleep(20)  # stuck in its own code; never reaches the next collective
+        _stay_away(out, 20)  # stuck in its own code; never reaches the next collective
         return {"stuck": True}
     start = time.monotonic()
     try:
         acc.backward(model(x).pow(2).mean())
     except CollectiveTimeoutError as exc:
         return {"error": str(exc), "seconds": time.monotonic() - start}
+    finally:
+        _done(out)
     return {"error": None}
 
 
-def test_a_rank_that_never_arrives_is_named_within_the_timeout() -> None:
-    results = run_workers(_stuck_worker, 2, env={"XSHARD_TIMEOUT": "6"}, timeout=120)
+def test_a_rank_that_never_arrives_is_named_within_the_timeout(tmp_path) -> None:
+    results = run_workers(_stuck_worker, 2, str(tmp_path), env={"XSHARD_TIMEOUT": "6"}, timeout=120)
     message = results[0]["error"]
     assert message is not None, "rank 0 went on although rank 1 never arrived"
     assert results[0]["seconds"] < 15
@@ -67,18 +83,21 @@ def _barrier_worker(rank: int, world: int, where: str, out: str) -> dict:
     start = time.monotonic()
     try:
         if rank == stuck and where != "main_process_first":
-            time.sleep(10)  # stuck in its own code before the barrier
+            _stay_away(out, 10)  # stuck in its own code before the barrier
             return {"stuck": True}
         if where == "wait_for_everyone":
             acc.wait_for_everyone()
         elif where == "main_process_first":
             with acc.main_process_first():
                 if rank == 0:
-                    time.sleep(10)  # rank 0 "downloads" for longer than the timeout; the others wait
+                    _stay_away(out, 10)  # rank 0 "downloads" for longer than the timeout; the others wait
         elif where == "save_state":
             acc.save_state(f"{out}/checkpoint-1")
     except XShardError as exc:
         return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start}
+    finally:
+        if rank != stuck:
+            _done(out)
     return {"error": None}
 
 
@@ -127,15 +146,13 @@ def _killed_peer_worker(rank: int, world: int, victim: int) -> dict:
 @pytest.mark.parametrize("victim", [1, 0], ids=["rank 1", "rank 0, which holds the store"])
 def test_a_killed_peer_is_named_as_dead_not_as_a_timeout(tmp_path, victim) -> None:
     # run_workers stops every rank once one exits; here the survivor must outlive the killed rank
-    import multiprocessing
-
     import torch
-    from support.distributed import _entry, free_port
+    from support.distributed import CONTEXT, _entry, free_port
 
-    ctx = multiprocessing.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, _killed_peer_worker, 2, port, str(tmp_path), {"XSHARD_TIMEOUT": "30"},
-                                              (victim,), 120)) for r in range(2)]
+    procs = [CONTEXT.Process(target=_entry, args=(r, _killed_peer_worker, 2, port, str(tmp_path),
+                                                  {"XSHARD_TIMEOUT": "30"}, (victim,), 120, dict(os.environ)))
+             for r in range(2)]
     for p in procs:
         p.start()
     survivor = 1 - victim
