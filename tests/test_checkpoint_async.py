@@ -54,6 +54,27 @@ def test_an_async_save_writes_the_same_bytes_as_a_blocking_save(tmp_path):
     assert not list(tmp_path.glob("*/*.tmp"))
 
 
+def _host_memory_worker(rank, world_size, folder):
+    host = {}
+    for stage in (0, 2, 3):  # one job per stage, each ended before the next
+        acc, model, opt, loader, sched = _job(world_size, stage=stage, width=256, state_dict_type="sharded")
+        _steps(acc, model, opt, loader, sched, 2)
+        acc.save_state(Path(folder) / str(stage), async_save=True)
+        acc.end()
+        host[stage] = acc.job.async_saver.staging.bytes_allocated
+    return host
+
+
+def test_an_async_save_holds_one_copy_of_what_it_writes(tmp_path):
+    """The host buffers of an async save hold what the ranks write, once: at stages 0-2 every rank holds
+    whole parameters, and a "sharded" checkpoint writes only its rows of them."""
+    host = run_workers(_host_memory_worker, 2, str(tmp_path))
+    for stage in (0, 2, 3):
+        written = sum(p.stat().st_size for p in (tmp_path / str(stage)).iterdir())
+        buffers = sum(rank[stage] for rank in host)
+        assert 0.9 * written <= buffers <= written, (stage, buffers, written)  # the json files are not staged
+
+
 def _failing_write_worker(rank, world_size, folder):
     import errno
 
