@@ -12,7 +12,9 @@ whole session: a rank starts without the ~1.6 s of CPU that importing them costs
 suite's hundreds of ranks on a 2-core machine is minutes. Each rank is still a new process with no
 process group, no threads and no state from earlier tests (the server forks before anything runs),
 and it takes the parent's environment as it is at the call (a fork server's children would otherwise
-see the environment of the moment the server started).
+see the environment of the moment the server started). Like every forked multiprocessing child, a rank
+ends with ``os._exit`` once ``fn`` returns, so ``atexit`` handlers do not run in it: a test of what
+happens at a process's exit runs a script (``xshard launch``, torchrun or ``python``) instead.
 """
 
 from __future__ import annotations
