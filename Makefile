@@ -36,17 +36,10 @@ demo-minimal: install
 	$(BIN)/xshard launch --nproc 2 examples/minimal.py
 
 # Everything: ruff, the whole suite in .venv (tests/README.md maps features to files), then the XLA tests.
-# .venv-xla is built while the main suite runs: pip waits mostly on the network and the disk, the suite
-# on the CPU, so the build's minutes come off the total. Its output goes to a log, shown if it fails.
 test: install vendor-wheels
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck
-	@mkdir -p .cache
-	$(MAKE) --no-print-directory install-xla > .cache/install-xla.log 2>&1 & build=$$!; \
-	$(VENDOR_ENV) $(BIN)/python -m pytest -q --durations=25; suite=$$?; \
-	wait $$build; built=$$?; \
-	if [ $$built -ne 0 ]; then cat .cache/install-xla.log; echo "building $(XLA_VENV) failed"; fi; \
-	[ $$suite -eq 0 ] && [ $$built -eq 0 ]
+	$(VENDOR_ENV) $(BIN)/python -m pytest -q --durations=25
 	$(MAKE) --no-print-directory test-xla
 
 # The single-process tests: everything but the tests marked `multiprocess` (they start jobs of several
