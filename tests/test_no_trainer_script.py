@@ -32,8 +32,13 @@ def _run(launcher: list[str], accelerator: str, cwd: Path, *args: str) -> tuple[
     env.update(ACCELERATOR=accelerator, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     if accelerator == "accelerate":
         env["ACCELERATE_USE_CPU"] = "true"
-    proc = subprocess.run([*launcher, str(SCRIPT), *args], capture_output=True, text=True, timeout=400,
-                          cwd=cwd, env=env)
+    try:  # under pytest-timeout's 300 s, so that a hung run is named with its output so far
+        proc = subprocess.run([*launcher, str(SCRIPT), *args], capture_output=True, text=True, timeout=240,
+                              cwd=cwd, env=env)
+    except subprocess.TimeoutExpired as exc:
+        out = [(s.decode(errors="replace") if isinstance(s, bytes) else s or "") for s in (exc.stdout, exc.stderr)]
+        pytest.fail(f"the run on {accelerator} ({' '.join(args)}) did not end in 240 s (about 10 s when idle); "
+                    f"its output so far:\n{out[0][-2000:]}\n{out[1][-4000:]}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, proc.stdout[-2000:]  # printed by the main process only
