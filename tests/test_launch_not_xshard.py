@@ -66,7 +66,8 @@ def test_a_stock_accelerate_script_is_named_with_the_fix_and_the_unused_settings
 
 def test_a_stock_script_that_fails_is_named_as_not_xshards_failure(tmp_path, env):
     done = _run(tmp_path, "accelerate", env, SCRIPT + "raise SystemExit(3)\n")
-    assert done.returncode == 3, done.stderr
+    # the script's own exit code, or the anchor's exit abort (above) when a rank aborted first
+    assert done.returncode == 3 or (done.returncode == 134 and ANCHOR_EXIT_ABORT in done.stderr), done.stderr
     lines = [line for line in done.stderr.splitlines() if HINT in line]
     assert len(lines) == 1 and "before it failed, so xshard had no part in the failure" in lines[0], done.stderr
     assert "from xshard import Accelerator" in lines[0] and "--config" in lines[0]
