@@ -49,10 +49,9 @@ _STACKS_AHEAD_S = 10
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, outdir: str, env: dict, args: tuple,
-           timeout: float, parent_env: dict[str, str] | None = None) -> None:
-    if parent_env is not None:
-        os.environ.clear()
-        os.environ.update(parent_env)
+           timeout: float, parent_env: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's environment at the call, not the fork server's (module docstring)
+    os.environ.update(parent_env)
     stacks = open(Path(outdir) / f"rank{rank}.stacks", "w")  # noqa: SIM115 (open until the process ends)
     faulthandler.dump_traceback_later(max(1.0, timeout - _STACKS_AHEAD_S), file=stacks)
     os.environ.update(
