@@ -17,6 +17,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch.distributed as dist
 
+# Imported before any process group forms, never after: torch.distributed.nn.functional binds
+# ``group.WORLD`` as the default argument of its ten collectives when it is first imported. Imported
+# while a group exists (torch.distributed.fsdp, and so torch._dynamo, import it), it keeps that group
+# alive for good: ``destroy_process_group()`` then frees nothing, the group's gloo threads outlive it
+# and can abort the interpreter's shutdown (see ``leave_at_exit``). Measured: a 2-rank gloo job that
+# imports torch._dynamo after ``init_process_group`` keeps its 3 gloo threads past the destroy; one
+# that imported this module first keeps none.
+if dist.is_available():  # a torch built without distributed has no group to keep
+    import torch.distributed.nn.functional  # noqa: F401
+
 from .collectives import IN_FLIGHT, Collectives, DistCollectives, SingleProcessCollectives
 from .errors import WorldEnvironmentError, WorldSizeError
 from .world import DEFAULT_MASTER_ADDR as DEFAULT_MASTER_ADDR  # re-exported: defined with World now

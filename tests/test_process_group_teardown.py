@@ -1,0 +1,53 @@
+"""Leaving the process group xshard started ends its threads, whatever the script imports after it formed.
+
+torch.distributed.nn.functional binds ``group.WORLD`` as a default argument when it is first imported;
+imported while a group exists (torch.distributed.fsdp and torch._dynamo import it, and torch's optimizers
+import torch._dynamo at construction), it would keep that group alive past ``destroy_process_group()``,
+and the group's gloo threads could abort the interpreter's shutdown (pytorch#190489's family). xshard
+imports it before any group forms (backends/communication.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from support.distributed import free_port
+
+pytestmark = pytest.mark.multiprocess
+
+# The group formed the way `xshard env --check` forms it (no torch._dynamo imported yet), then the
+# imports a training script does after it; each rank prints its threads before and after leaving.
+SCRIPT = r'''
+import os
+import torch
+from xshard.backends import get_backend
+
+def gloo_threads():
+    names = (open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    return sorted(n for n in names if "gloo" in n)
+
+backend = get_backend("cpu")
+backend.init_process_group()
+import torch._dynamo  # what torch.optim.AdamW(...) imports, after the group formed
+t = torch.ones(4)
+backend.collectives.all_reduce(t, op="sum")
+assert t.tolist() == [2.0] * 4
+during = gloo_threads()
+backend.destroy_process_group()
+os.write(1, f"rank {os.environ['RANK']} gloo threads: {bool(during)} -> {gloo_threads()}\n".encode())
+'''
+
+
+def test_leaving_the_group_ends_its_threads_when_torch_dynamo_came_after_it(tmp_path, clean_env):
+    script = tmp_path / "late_imports.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    # the group had threads while it lived, and none is left once it is left
+    assert sorted(done.stdout.splitlines()) == ["rank 0 gloo threads: True -> []",
+                                                "rank 1 gloo threads: True -> []"], done.stdout
