@@ -15,6 +15,10 @@ prepared objects, data, checkpoint, config, the core) stays usable without it.
 from __future__ import annotations
 
 import ast
+import importlib
+import subprocess
+import sys
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,3 +155,28 @@ def test_the_accelerate_surface_imports_no_user_api() -> None:
 
 def test_a_circle_is_found_when_there_is_one() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_every_public_name_of_the_core_resolves_to_its_module() -> None:
+    """``xshard.sharding`` imports its model module on first use; each name in ``__all__`` is found, and is
+    not shadowed by a submodule of the same name."""
+    import xshard.sharding as core
+
+    for name in core.__all__:
+        value = getattr(core, name)
+        assert not isinstance(value, types.ModuleType), name
+        assert getattr(importlib.import_module(value.__module__), name) is value, name
+
+
+def test_the_cli_and_the_config_reader_start_without_the_compiler_stack() -> None:
+    """`xshard env` / `config` / `estimate` do not import torch._dynamo (1.2 s a call here), which only the
+    engines' ``torch.compiler.disable``d hooks need."""
+    code = ("import sys, contextlib, io\n"
+            "from xshard.cli import main\n"
+            "import xshard.config, xshard.estimate\n"
+            "sys.argv = ['xshard', 'env', '--backend', 'cpu']\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    code = main()\n"
+            "print(code, 'torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["0", "False"], done.stderr

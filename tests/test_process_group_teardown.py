@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from support.distributed import free_port
 
 pytestmark = pytest.mark.multiprocess

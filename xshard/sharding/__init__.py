@@ -17,11 +17,32 @@ on every backend. Files, one job each:
 - ``model``: ShardedModel and shard_model
 """
 
-from .model import ShardedModel, ShardedParamView, shard_model
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from .options import ShardingOptions, normalise_stage
 from .plan import GradReduction, PrecisionPolicy, ReduceTiming, ReshardAfterForward, ShardingPlan
 from .scaler import ShardedGradScaler
 from .sharded_init import sharded_init
 
+if TYPE_CHECKING:
+    from .model import ShardedModel, ShardedParamView, shard_model
+
+# The model's names are imported on first use: its engines' hooks are ``torch.compiler.disable``d,
+# which imports torch._dynamo (about 1.2 s), and the config reader and the CLI need only the options.
+_FROM_MODEL = ("ShardedModel", "ShardedParamView", "shard_model")
+
+
+def __getattr__(name: str) -> Any:
+    """``ShardedModel``, ``ShardedParamView`` and ``shard_model``, imported from ``.model`` on first use."""
+    if name not in _FROM_MODEL:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import model
+
+    return getattr(model, name)
+
+
 __all__ = ["GradReduction", "PrecisionPolicy", "ReduceTiming", "ShardedGradScaler", "ShardedModel", "ShardedParamView",
            "ReshardAfterForward", "ShardingOptions", "ShardingPlan", "normalise_stage", "shard_model", "sharded_init"]
+
