@@ -21,9 +21,11 @@ AdamW moments, keys prefixed by rank) with its own async_save.
 Host memory: the bytes of host buffers the async save allocated on each rank against the theory (one
 copy of the bytes this rank writes), and each rank's resident set size before and after the first
 async save. Also: how long xshard's background write took on each rank (from the call's return to its
-files, and on rank 0 the commit, being done), and the machine's 1-minute load average before and
+files, and on rank 0 the commit, being done) and the CPU seconds its thread used (user and system: on a
+machine whose cores the training keeps busy, roughly what the write takes from the steps beside it),
+the training thread's CPU seconds in each save call, and the machine's 1-minute load average before and
 after each way of saving (on a shared machine the ratios move with it). Prints one JSON line per rank
-and a table from rank 0.
+and a table from rank 0, with the time of each step timed before and after each save.
 """
 
 from __future__ import annotations
@@ -85,24 +87,30 @@ def rank_main(args: argparse.Namespace) -> None:
     results: dict[str, dict[str, float]] = {}
 
     def measure(name: str, save, wait) -> None:
-        stalls, calls, writes = [], [], []
+        stalls, calls, call_cpus, writes, write_cpus, steps_before, steps_after = [], [], [], [], [], [], []
         load_before = os.getloadavg()[0]
         for i in range(args.repeats):
             acc.wait_for_everyone()
-            without = sum(timed_steps(args.steps))
+            before = timed_steps(args.steps)
             acc.wait_for_everyone()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             save(out / f"{name}-{i}")
             called = time.perf_counter() - start
-            timed_steps(args.steps)
+            call_cpus.append(time.thread_time() - cpu_start)
+            after = timed_steps(args.steps)
             wait()
             total = time.perf_counter() - start
-            stalls.append(total - without)
+            stalls.append(total - sum(before))
             calls.append(called)
+            steps_before.append(before)
+            steps_after.append(after)
             if name == "xshard_async":
                 writes.append(acc.job.async_saver.write_seconds)
+                write_cpus.append(acc.job.async_saver.write_cpu_seconds)
         results[name] = {"stall_s": statistics.median(stalls), "call_s": statistics.median(calls),
-                         "stalls_s": stalls, "calls_s": calls, "writes_s": writes,
+                         "stalls_s": stalls, "calls_s": calls, "call_cpu_s": call_cpus, "writes_s": writes,
+                         "write_cpu_s": write_cpus,
+                         "steps_before_s": steps_before, "steps_after_s": steps_after,
                          "load": [load_before, os.getloadavg()[0]]}
 
     rss_before = _rss()
@@ -182,9 +190,14 @@ def main() -> None:
     for name in records[0]["results"]:
         for r in records:
             res = r["results"][name]
-            writes = f"; background write (s) {', '.join(f'{w:.2f}' for w in res['writes_s'])}" if res["writes_s"] else ""
-            print(f"  {name} rank {r['rank']}, each save: call (s) {', '.join(f'{c:.2f}' for c in res['calls_s'])}; "
+            writes = (f"; background write (s) {', '.join(f'{w:.2f}' for w in res['writes_s'])} "
+                      f"(its thread's CPU s {', '.join(f'{w:.2f}' for w in res['write_cpu_s'])})") if res["writes_s"] else ""
+            print(f"  {name} rank {r['rank']}, each save: call (s) {', '.join(f'{c:.2f}' for c in res['calls_s'])} "
+                  f"(the training thread's CPU s {', '.join(f'{c:.2f}' for c in res['call_cpu_s'])}); "
                   f"stall (s) {', '.join(f'{s:.2f}' for s in res['stalls_s'])}{writes}")
+            for before, after in zip(res["steps_before_s"], res["steps_after_s"], strict=True):  # where the stall went
+                print(f"    steps (s) before the save {' '.join(f'{t:.2f}' for t in before)}; "
+                      f"after it {' '.join(f'{t:.2f}' for t in after)}")
     for r in records:
         print(f"rank {r['rank']}: async host buffers {r['host_buffers_bytes'] / 1e9:.2f} GB (theory {r['theory_bytes'] / 1e9:.2f}"
               f" GB), RSS added {r['rss_added_bytes'] / 1e9:.2f} GB; DCP: {r['dcp']}")

@@ -175,6 +175,8 @@ class AsyncSaver:
         self._path: Path | None = None
         #: seconds this rank's last background write took (files, fragment and, on rank 0, the commit)
         self.write_seconds: float | None = None
+        #: CPU seconds (user and system) its thread spent on it: what it took from training on a busy core
+        self.write_cpu_seconds: float | None = None
         atexit.register(self._report_at_exit)
 
     @classmethod
@@ -192,14 +194,14 @@ class AsyncSaver:
         writer = StagingWriter(self.rank, self.staging)
         tables = write_files(writer)
         synchronize()  # the copies from the device are complete before training changes the tensors
-        self._path, self._error, self.write_seconds = final, None, None
+        self._path, self._error, self.write_seconds, self.write_cpu_seconds = final, None, None, None
         self._thread = threading.Thread(target=self._write, args=(tmp, writer, tables, commit),
                                         name=f"xshard-async-save-{final.name}", daemon=False)
         self._thread.start()
         log.info("saving %s in the background (%.2f GB of host buffers)", final, self.staging.bytes_allocated / 1e9)
 
     def _write(self, tmp: Path, staged: StagingWriter, tables: dict[str, Any], commit: Callable[[], None] | None) -> None:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         try:
             writer = FileWriter(tmp, self.rank)
             staged.replay(writer)
@@ -213,6 +215,7 @@ class AsyncSaver:
                 self._wait_for_fragments(tmp)
                 commit()
             self.write_seconds = time.perf_counter() - started
+            self.write_cpu_seconds = time.thread_time() - cpu_started
         except BaseException as exc:  # kept for the next call on the training thread
             self._error = exc
             if self.rank != 0:  # so that rank 0 stops waiting for this rank's fragment

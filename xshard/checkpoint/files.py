@@ -16,9 +16,10 @@ during the swap as ``<name>.old`` (hard links: no copy). Rotation considers only
 folders of the series just saved (``checkpoint-<n>``) that hold a manifest, deletes only the files
 a manifest lists, and keeps a folder that holds anything else.
 
-Every file is created with ``open`` (the user's umask applies to all of them alike) and hashed as
-it is written (``tensorfile.HashingFile``; the algorithm and why: ``checksum.py``), so a save reads
-nothing back.
+Every file is created with ``open`` (the user's umask applies to all of them alike), written around
+the page cache where the filesystem allows it (``direct_io.py``: why and how) and hashed as it is
+written (``tensorfile.HashingFile``; the algorithm and why: ``checksum.py``), so a save reads nothing
+back.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import IO, Any, cast
 import torch
 
 from ..backends.errors import XShardError
-from . import checksum
+from . import checksum, direct_io
 from .manifest_check import check_manifest, is_plain_name
 from .tensorfile import HashingFile, write_safetensors
 
@@ -124,10 +125,11 @@ class FileWriter:
     def _write(self, name: str, write: Callable[[HashingFile], object]) -> None:
         if self.no_space is None:
             try:
-                with open(self.folder / name, "wb") as f:
-                    out = HashingFile(f, self.on_bytes)
+                with open(self.folder / name, "wb", buffering=0, opener=direct_io.opener) as f:
+                    blocks = direct_io.BlockWriter(f)  # around the page cache where it can: direct_io.py
+                    out = HashingFile(blocks, self.on_bytes)
                     write(out)
-                    f.flush()
+                    blocks.finish()
                     os.fsync(f.fileno())
             except OSError as exc:
                 if exc.errno not in _NO_SPACE:
@@ -135,7 +137,7 @@ class FileWriter:
                 self.no_space = exc
                 (self.folder / name).unlink(missing_ok=True)
         if self.no_space is not None:
-            out = HashingFile(_Discard())  # type: ignore[arg-type]
+            out = HashingFile(_Discard())
             write(out)
             self.bytes_needed += out.bytes
             return

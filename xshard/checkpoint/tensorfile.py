@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import torch
 
@@ -36,11 +36,19 @@ SAFETENSORS_DTYPES = {
 _CHUNK = 64 << 20  # bytes per write: progress moves and memory stays flat on multi-GB tensors
 
 
+class BinaryWriter(Protocol):
+    """What ``HashingFile`` writes to: an open binary file, or ``direct_io.BlockWriter``."""
+
+    def write(self, data: Any, /) -> int | None: ...
+
+    def flush(self) -> None: ...
+
+
 class HashingFile:
     """A binary file object that keeps the checksum (``checksum.WRITTEN``) and the size of everything written
     through it."""
 
-    def __init__(self, file: IO[bytes], on_bytes: Callable[[int], None] | None = None) -> None:
+    def __init__(self, file: BinaryWriter, on_bytes: Callable[[int], None] | None = None) -> None:
         self.file = file
         self.hash = new_hasher()
         self.bytes = 0

@@ -1,0 +1,124 @@
+"""Checkpoint files written around the page cache (xshard/checkpoint/direct_io.py) hold exactly the bytes
+written, at their exact length, whether the filesystem takes O_DIRECT, refuses it at open, or refuses it
+at a write; a save's files load back."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from xshard.checkpoint import direct_io
+from xshard.checkpoint.checksum import new_hasher
+from xshard.checkpoint.files import FileWriter
+
+CHUNK = direct_io.CHUNK
+# lengths around the chunk size, written in pieces of awkward sizes (a header, then odd blocks)
+LENGTHS = [0, 1, 4095, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 4097]
+
+
+def _data(length: int) -> bytes:
+    return torch.randint(0, 256, (length,), dtype=torch.uint8, generator=torch.Generator().manual_seed(length)
+                         ).numpy().tobytes()
+
+
+def _write(path, data: bytes, raw_wrapper=None) -> direct_io.BlockWriter:
+    with open(path, "wb", buffering=0, opener=direct_io.opener) as f:
+        blocks = direct_io.BlockWriter(raw_wrapper(f) if raw_wrapper else f)
+        started_direct = blocks.direct
+        for start, size in _pieces(len(data)):
+            assert blocks.write(data[start:start + size]) == size
+        blocks.finish()
+    blocks.started_direct = started_direct  # type: ignore[attr-defined]
+    return blocks
+
+
+def _pieces(length: int):
+    start, sizes, i = 0, [8, 4093, 3 * 2**20 + 5, CHUNK + 11], 0
+    while start < length:
+        size = min(sizes[i % len(sizes)], length - start)
+        yield start, size
+        start += size
+        i += 1
+
+
+def _takes_o_direct(folder) -> bool:
+    if not direct_io.O_DIRECT:
+        return False
+    try:
+        os.close(os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | direct_io.O_DIRECT))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_a_file_holds_exactly_the_bytes_written(tmp_path, length):
+    data = _data(length)
+    blocks = _write(tmp_path / "f", data)
+    assert (tmp_path / "f").read_bytes() == data
+    # whole chunks went around the page cache where this filesystem takes O_DIRECT (not silently buffered)
+    assert blocks.started_direct == _takes_o_direct(tmp_path)
+
+
+def test_a_filesystem_that_refuses_o_direct_at_open_gets_the_same_bytes(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & direct_io.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(direct_io.os, "open", no_direct)
+    data = _data(2 * CHUNK + 4097)
+    blocks = _write(tmp_path / "f", data)
+    assert not blocks.started_direct and (tmp_path / "f").read_bytes() == data
+
+
+@pytest.mark.skipif(not direct_io.O_DIRECT, reason="no O_DIRECT on this platform")
+def test_a_filesystem_that_refuses_o_direct_at_a_write_gets_the_same_bytes(tmp_path):
+    if not _takes_o_direct(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT at open")
+
+    class RefusesDirectWrites:
+        """The second direct write fails as some filesystems' do; buffered writes pass."""
+
+        def __init__(self, raw):
+            self.raw, self.direct_writes = raw, 0
+
+        def fileno(self):
+            return self.raw.fileno()
+
+        def write(self, view):
+            import fcntl
+
+            if fcntl.fcntl(self.raw.fileno(), fcntl.F_GETFL) & direct_io.O_DIRECT:
+                self.direct_writes += 1
+                if self.direct_writes == 2:
+                    raise OSError(errno.EINVAL, "Invalid argument")
+            return self.raw.write(view)
+
+    data = _data(3 * CHUNK + 1)
+    blocks = _write(tmp_path / "f", data, RefusesDirectWrites)
+    assert blocks.started_direct and not blocks.direct  # it fell back at the refused write, and went on
+    assert (tmp_path / "f").read_bytes() == data  # no chunk lost, none written twice
+
+
+def test_a_writers_files_load_back_with_their_checksums(tmp_path):
+    tensors = {"w": torch.randn(3 * CHUNK // 4 + 7), "b": torch.arange(5, dtype=torch.int64)}
+    writer = FileWriter(tmp_path, 0)
+    writer.safetensors("model.safetensors", tensors)
+    writer.torch("optimizer.bin", {"state": tensors, "step": 3})
+    from safetensors.torch import load_file
+
+    back = load_file(str(tmp_path / "model.safetensors"))
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+    state = torch.load(tmp_path / "optimizer.bin", weights_only=True)
+    assert state["step"] == 3 and all(torch.equal(state["state"][k], v) for k, v in tensors.items())
+    for name, entry in writer.files.items():
+        raw = (tmp_path / name).read_bytes()
+        digest = new_hasher()
+        digest.update(raw)
+        assert entry["bytes"] == len(raw) and next(v for k, v in entry.items() if k != "bytes") == digest.hexdigest()
