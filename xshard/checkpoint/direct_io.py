@@ -6,8 +6,7 @@ to a new file (0.3 s once the pages had been used), in the writing thread, as sy
 mostly that: a blocking ``save_state`` of 1.8 GB per rank spent 3.4-4.3 s of its 4.8-5.4 s on the
 CPU, and an async save's background thread 3.0-3.7 s, taken from the training steps beside it on a
 machine whose cores training keeps busy. ``O_DIRECT`` hands the device the writer's own buffer
-instead: about 0.03 s of CPU per GB here. (DeepSpeed's asynchronous I/O writers open their files with
-``O_DIRECT`` too.)
+instead: about 0.03 s of CPU per GB here.
 
 How. ``BlockWriter`` collects what is written into one page-aligned buffer (8 MiB, one per thread,
 kept) and writes it whole, so that every direct write has the address, length and file offset
