@@ -45,4 +45,3 @@ def __getattr__(name: str) -> Any:
 
 __all__ = ["GradReduction", "PrecisionPolicy", "ReduceTiming", "ShardedGradScaler", "ShardedModel", "ShardedParamView",
            "ReshardAfterForward", "ShardingOptions", "ShardingPlan", "normalise_stage", "shard_model", "sharded_init"]
-
