@@ -276,6 +276,10 @@ def _ddp_branchy(rank: int, world: int) -> dict:
     ddp(x, go_left=(rank == 0)).pow(2).mean().backward()
     opt.step()
     state = {k.removeprefix("module."): v.clone() for k, v in ddp.state_dict().items()}
+    # DDP's reducer holds the process group from C++: dropped after the group is left, it would run
+    # gloo's blocking destructor with the GIL held, which deadlocks when a gloo thread is still
+    # releasing a tensor (pytorch#56297; seen once in CI). Drop it first, as a careful script does.
+    del ddp, opt
     backend.destroy_process_group()
     return {"state": state}
 
