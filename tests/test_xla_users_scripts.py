@@ -59,35 +59,27 @@ def test_minimal_example_learns_the_same_on_one_xla_device_as_on_cpu() -> None:
 
 @pytest.mark.xfail(strict=False, reason=(
     "XLA:CPU ends the process when a replica thread reaches a collective more than a fixed 10 s after the "
-    "other (issue 22); measured with this code on an idle 2-core machine: aborted ('Termination timeout for "
-    "all gather') in 1 of the last 3 fresh-clone runs of make test, passed in the others"))
-def test_minimal_example_learns_alike_on_two_xla_devices_and_two_cpu_processes() -> None:
-    pytest.importorskip("torch_xla")
-    two_xla = _launch(2, {**XLA_ENV, "CPU_NUM_DEVICES": "2"})
-    two_cpu = _launch(2, {"XSHARD_BACKEND": "cpu"})
-    for losses in (two_xla, two_cpu):
-        assert len(losses) == 3 and losses[-1] < 0.5 * losses[0], (two_xla, two_cpu)
-    # Rank 0's initial weights depend on how the replica threads interleave their draws from the shared
-    # generator, so the last epoch's loss varies from run to run: over 10 runs 0.043-0.082 against the
-    # CPU processes' 0.0572 (4 of the 10 matched it to every digit).
-    assert 0.5 * two_cpu[-1] <= two_xla[-1] <= 2 * two_cpu[-1], (two_xla, two_cpu)
-
-
-@pytest.mark.xfail(strict=False, reason=(
-    "XLA:CPU ends the process when a replica thread reaches a collective more than a fixed 10 s after the "
     "other; measured on the shared 2-core machine with this code: finished 3 of 7 runs (load average 4-19), "
     "the others aborted in the first all-gather of a graph at an epoch's end; see the README's XLA:CPU section"))
-def test_the_readmes_two_device_command_runs_the_minimal_example_at_its_default_size() -> None:
+def test_the_readmes_two_device_command_learns_as_two_cpu_processes_do() -> None:
     """`XSHARD_BACKEND=xla PJRT_DEVICE=CPU xshard launch --nproc 2 examples/minimal.py`, as the README
-    gives it (2048 samples, 4 epochs: 256 steps a replica), once, with no retry."""
+    gives it (2048 samples, 4 epochs: 256 steps a replica), once, with no retry; then the same command on
+    two CPU processes, whose losses it must follow."""
     pytest.importorskip("torch_xla")
     env = {k: v for k, v in os.environ.items() if k not in ("CPU_NUM_DEVICES", "XLA_THREAD_POOL_SIZE")}
-    proc = subprocess.run([sys.executable, "-m", "xshard", "launch", "--nproc", "2", "examples/minimal.py"],
-                          env={**env, **XLA_ENV}, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    cmd = [sys.executable, "-m", "xshard", "launch", "--nproc", "2", "examples/minimal.py"]
+    proc = subprocess.run(cmd, env={**env, **XLA_ENV}, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Termination timeout" not in proc.stderr, proc.stderr[-4000:]
-    losses = _losses(proc.stdout)
-    assert len(losses) == 4 and losses[-1] < 0.5 * losses[0], losses
+    two_xla = _losses(proc.stdout)
+    two_cpu = _losses(_run(cmd, {"XSHARD_BACKEND": "cpu"}))
+    for losses in (two_xla, two_cpu):
+        assert len(losses) == 4 and losses[-1] < 0.5 * losses[0], (two_xla, two_cpu)
+    # Rank 0's initial weights depend on how the replica threads interleave their draws from the shared
+    # generator (module docstring), so the loss is not the CPU processes' to the last digit: measured at
+    # this size, 0.0185 and 0.0204 against the CPU processes' 0.0207 (at 256 samples, 10 runs: 0.043-0.082
+    # against 0.0572).
+    assert 0.5 * two_cpu[-1] <= two_xla[-1] <= 2 * two_cpu[-1], (two_xla, two_cpu)
 
 
 def _compiles(tmp_path: Path, steps: int, multiple: int) -> list[int]:
