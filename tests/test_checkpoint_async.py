@@ -78,7 +78,7 @@ def test_an_async_save_holds_one_copy_of_what_it_writes(tmp_path):
 def _failing_write_worker(rank, world_size, folder):
     import errno
 
-    import xshard.checkpoint.files as files
+    from xshard.checkpoint import direct_io
 
     folder = Path(folder)
     acc, model, opt, loader, sched = _job(world_size)
@@ -88,7 +88,7 @@ def _failing_write_worker(rank, world_size, folder):
     if rank == 1:  # this rank's disk fills up during the background write
         def full_disk(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
-        files.write_safetensors = full_disk
+        direct_io.BlockWriter.write = full_disk  # every file's bytes go through it
     acc.save_state(folder / "checkpoint-4", async_save=True)
     _steps(acc, model, opt, loader, sched, 1)  # training goes on; the error waits for the next call
     try:

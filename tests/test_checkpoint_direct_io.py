@@ -1,16 +1,19 @@
 """Checkpoint files written around the page cache (xshard/checkpoint/direct_io.py) hold exactly the bytes
 written, at their exact length, whether the filesystem takes O_DIRECT, refuses it at open, or refuses it
-at a write; a save's files load back."""
+at a write; page-aligned data goes to the file from where it is; an async save's staged file image is
+byte for byte the file a blocking save writes; a save's files load back."""
 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 
 import pytest
 import torch
 
 from xshard.checkpoint import direct_io
+from xshard.checkpoint.async_save import HostStaging
 from xshard.checkpoint.checksum import new_hasher
 from xshard.checkpoint.files import FileWriter
 
@@ -124,3 +127,70 @@ def test_a_writers_files_load_back_with_their_checksums(tmp_path):
         digest = new_hasher()
         digest.update(raw)
         assert entry["bytes"] == len(raw) and next(v for k, v in entry.items() if k != "bytes") == digest.hexdigest()
+
+
+@pytest.mark.skipif(not direct_io.O_DIRECT, reason="no O_DIRECT on this platform")
+def test_page_aligned_data_at_a_chunk_boundary_goes_to_the_file_from_where_it_is(tmp_path):
+    """An async save's staged file images are page-aligned: their whole chunks are handed to the device
+    as they lie in memory, not copied through the writer's buffer first (its CPU cost, direct_io.py)."""
+    if not _takes_o_direct(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT at open")
+    length = 3 * CHUNK + 5
+    image = mmap.mmap(-1, length)  # page-aligned, as HostStaging's images are
+    image[:] = _data(length)
+    start = direct_io._address(memoryview(image))
+    writes = []
+
+    class Recorder:
+        def __init__(self, raw):
+            self.raw = raw
+
+        def fileno(self):
+            return self.raw.fileno()
+
+        def write(self, view):
+            writes.append((direct_io._address(view), len(view)))
+            return self.raw.write(view)
+
+    with open(tmp_path / "f", "wb", buffering=0, opener=direct_io.opener) as f:
+        blocks = direct_io.BlockWriter(Recorder(f))
+        blocks.write(image)
+        blocks.finish()
+    assert (tmp_path / "f").read_bytes() == image[:]
+    from_image = sum(n for address, n in writes if start <= address < start + length)
+    assert from_image == 3 * CHUNK  # every whole chunk straight from the image; the 5-byte tail buffered
+
+
+def _awkward_tensors() -> dict[str, torch.Tensor]:
+    """Tensors whose byte offsets in a file are not multiples of their element size, a transposed one,
+    an empty one, a scalar and every element width."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "odd_bf16": torch.randn(7, generator=g).to(torch.bfloat16),
+        "f32": torch.randn(CHUNK // 4 + 3, generator=g),
+        "transposed": torch.randn(5, 3, generator=g).t(),
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "mask": torch.rand(9, generator=g) > 0.5,
+        "i8": torch.randint(-100, 100, (11,), dtype=torch.int8, generator=g),
+    }
+
+
+def test_a_staged_file_image_is_the_file_a_blocking_save_writes(tmp_path):
+    tensors = _awkward_tensors()
+    for name in ("blocking", "async"):
+        (tmp_path / name).mkdir()
+    FileWriter(tmp_path / "blocking", 0).safetensors("model.safetensors", tensors)
+    staging = HostStaging(lambda n: torch.empty(n, dtype=torch.uint8))
+    staging.begin()
+    image = staging.image(tensors, {"format": "pt"})
+    assert image.data_ptr() % mmap.PAGESIZE == 0
+    writer = FileWriter(tmp_path / "async", 0)
+    writer.image("model.safetensors", image)
+    assert (tmp_path / "async" / "model.safetensors").read_bytes() == (
+        tmp_path / "blocking" / "model.safetensors").read_bytes()
+    # the next save of the same sizes reuses the buffer: no new host memory
+    allocated = staging.bytes_allocated
+    staging.begin()
+    assert staging.image(tensors, {"format": "pt"}).data_ptr() == image.data_ptr()
+    assert staging.bytes_allocated == allocated

@@ -40,12 +40,12 @@ def save_object(obj: Any, path: str | os.PathLike, safe_serialization: bool = Fa
         if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
             raise TypeError("save(..., safe_serialization=True) writes safetensors, which hold a dict of tensors "
                             f"only; got {type(obj).__name__}: use safe_serialization=False for other objects")
-        from ..checkpoint.tensorfile import atomic_path, write_safetensors
+        from ..checkpoint.tensorfile import PT_METADATA, atomic_path, write_safetensors
 
         # one tensor at a time (tied tensors written once per key, as safetensors needs); a crash
         # leaves any earlier file at ``path`` as it was
         with atomic_path(Path(path)) as tmp, open(tmp, "wb") as file:
-            write_safetensors(file, obj, {"format": "pt"})
+            write_safetensors(file, obj, PT_METADATA)
     else:
         torch.save(obj, path)
 

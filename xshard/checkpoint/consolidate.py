@@ -19,7 +19,7 @@ from ..sharding.layout import rows_of
 from .files import MANIFEST, CheckpointError, read_manifest, verify_file
 from .formats import RowReader
 from .progress import slow_progress
-from .tensorfile import HashingFile, atomic_path, write_safetensors
+from .tensorfile import PT_METADATA, HashingFile, atomic_path, write_safetensors
 
 WEIGHTS = "model.safetensors"
 
@@ -70,7 +70,7 @@ def consolidate(checkpoint: str | Path, out: str | Path, model_index: int = 0) -
             with atomic_path(export / "config.json") as tmp:
                 shutil.copyfile(config, tmp)
         with slow_progress(f"writing {weights.name}") as bar, atomic_path(weights) as tmp, open(tmp, "wb") as f:
-            write_safetensors(HashingFile(f, bar.update), state, {"format": "pt"})
+            write_safetensors(HashingFile(f, bar.update), state, PT_METADATA)
     except OSError as exc:
         raise CheckpointError(f"cannot write {weights}: {exc.strerror or exc}; pick another output path") from exc
     return weights

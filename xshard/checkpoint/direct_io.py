@@ -10,7 +10,9 @@ instead: about 0.03 s of CPU per GB here.
 
 How. ``BlockWriter`` collects what is written into one page-aligned buffer (8 MiB, one per thread,
 kept) and writes it whole, so that every direct write has the address, length and file offset
-``O_DIRECT`` requires. The file's tail (less than a buffer) is written after ``O_DIRECT`` is turned
+``O_DIRECT`` requires. Data that is itself page-aligned and met at a chunk boundary of the file (an
+async save's staged file images, ``async_save.HostStaging.image``) is written whole chunks at a time
+from where it is, without that copy. The file's tail (less than a buffer) is written after ``O_DIRECT`` is turned
 off on the descriptor (``fcntl``), so a file is never padded. Where ``O_DIRECT`` is not there (macOS,
 Windows) or refused (tmpfs refuses it at ``open``; a filesystem may refuse it at the first write,
 ``EINVAL``), the same writer writes through the page cache as before: one code path, the same bytes.
@@ -23,6 +25,8 @@ import mmap
 import os
 import threading
 from typing import Any
+
+import numpy as np
 
 try:
     import fcntl
@@ -56,6 +60,11 @@ def _buffer() -> mmap.mmap:
     return buf
 
 
+def _address(view: memoryview) -> int:
+    """The address of a buffer's first byte (read-only buffers too)."""
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
 class BlockWriter:
     """A binary file object over ``raw`` (an unbuffered file) that writes whole ``CHUNK``s, directly when
     the descriptor has ``O_DIRECT``. Call ``finish()`` once after the last ``write``."""
@@ -76,6 +85,10 @@ class BlockWriter:
         """Take ``data`` (any bytes-like object); the file grows by a chunk each time the buffer fills."""
         view = memoryview(data).cast("B")
         done = 0
+        if self._direct and not self._used and len(view) >= CHUNK and _address(view) % mmap.PAGESIZE == 0:
+            whole = len(view) // CHUNK * CHUNK  # the file stays at a chunk boundary: no copy needed
+            self._write_all(view[:whole])
+            done = whole
         while done < len(view):
             take = min(CHUNK - self._used, len(view) - done)
             self._buf[self._used:self._used + take] = view[done:done + take]

@@ -41,7 +41,7 @@ import torch
 from ..backends.errors import XShardError
 from . import checksum, direct_io
 from .manifest_check import check_manifest, is_plain_name
-from .tensorfile import HashingFile, write_safetensors
+from .tensorfile import PT_METADATA, HashingFile, write_bytes, write_safetensors
 
 MANIFEST = "xshard_state.json"
 #: 4: files are checksummed with xxh3-128 (checksum.py); 3: "full" checkpoints store the optimizer by
@@ -150,7 +150,12 @@ class FileWriter:
 
     def safetensors(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
         """Write tensors as a safetensors file (tied tensors are simply written under each name)."""
-        self._write(name, lambda out: write_safetensors(out, tensors, metadata or {"format": "pt"}))
+        self._write(name, lambda out: write_safetensors(out, tensors, metadata or PT_METADATA))
+
+    def image(self, name: str, data: torch.Tensor) -> None:
+        """Write a file whose exact bytes are already in host memory (a flat uint8 CPU tensor): an async
+        save's staged safetensors file. Written without a copy where ``data`` is page-aligned."""
+        self._write(name, lambda out: write_bytes(out, data))
 
     def torch(self, name: str, obj: Any) -> None:
         """Write plain data and tensors with ``torch.save`` (loaded back with ``weights_only=True``)."""

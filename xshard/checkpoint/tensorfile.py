@@ -24,7 +24,8 @@ import torch
 
 from .checksum import new_hasher
 
-__all__ = ["HashingFile", "SAFETENSORS_DTYPES", "atomic_path", "write_safetensors"]
+__all__ = ["PT_METADATA", "HashingFile", "SAFETENSORS_DTYPES", "atomic_path", "safetensors_header", "write_bytes",
+           "write_safetensors"]
 
 #: torch dtype -> safetensors dtype name (the names the safetensors format defines)
 SAFETENSORS_DTYPES = {
@@ -77,9 +78,13 @@ def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def write_safetensors(out: HashingFile | IO[bytes], tensors: dict[str, torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` (any device; copied to the CPU one tensor at a time) as a safetensors file."""
+#: the metadata every safetensors file of xshard's carries (transformers' ``from_pretrained`` looks for it)
+PT_METADATA = {"format": "pt"}
+
+
+def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """The bytes of a safetensors file before its data: the header's length, then the JSON header naming
+    each tensor's dtype, shape and byte range (in the order of ``tensors``), padded to 8 bytes."""
     if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
         raise RuntimeError("writing safetensors needs a little-endian machine")
     header: dict[str, Any] = {}
@@ -96,12 +101,24 @@ def write_safetensors(out: HashingFile | IO[bytes], tensors: dict[str, torch.Ten
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    out.write(len(text).to_bytes(8, "little"))
-    out.write(text)
+    return len(text).to_bytes(8, "little") + text
+
+
+def write_safetensors(out: HashingFile | IO[bytes], tensors: dict[str, torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` (any device; copied to the CPU one tensor at a time) as a safetensors file."""
+    out.write(safetensors_header(tensors, metadata))
     for tensor in tensors.values():
         raw = _raw_bytes(tensor)
         for start in range(0, raw.numel(), _CHUNK):
             out.write(raw[start:start + _CHUNK].numpy())  # type: ignore[call-overload]  # a bytes-like buffer
+
+
+def write_bytes(out: HashingFile, data: torch.Tensor) -> None:
+    """Write a flat uint8 CPU tensor's bytes as they are, in pieces (progress moves, and each piece of a
+    page-aligned ``data`` starts page-aligned: ``direct_io.BlockWriter`` then writes it without a copy)."""
+    for start in range(0, data.numel(), _CHUNK):
+        out.write(data[start:start + _CHUNK].numpy())
 
 
 @contextmanager
