@@ -47,6 +47,16 @@ def _pieces(length: int):
         i += 1
 
 
+class _RawFile:
+    """An unbuffered file seen through a test's ``write`` (subclasses define it)."""
+
+    def __init__(self, raw):
+        self.raw = raw
+
+    def fileno(self):
+        return self.raw.fileno()
+
+
 def _takes_o_direct(folder) -> bool:
     if not direct_io.O_DIRECT:
         return False
@@ -87,14 +97,8 @@ def test_a_filesystem_that_refuses_o_direct_at_a_write_gets_the_same_bytes(tmp_p
 
     direct_writes = []
 
-    class RefusesDirectWrites:
+    class RefusesDirectWrites(_RawFile):
         """The second direct write fails as some filesystems' do; buffered writes pass."""
-
-        def __init__(self, raw):
-            self.raw = raw
-
-        def fileno(self):
-            return self.raw.fileno()
 
         def write(self, view):
             import fcntl
@@ -141,13 +145,7 @@ def test_page_aligned_data_at_a_chunk_boundary_goes_to_the_file_from_where_it_is
     start = direct_io._address(memoryview(image))
     writes = []
 
-    class Recorder:
-        def __init__(self, raw):
-            self.raw = raw
-
-        def fileno(self):
-            return self.raw.fileno()
-
+    class Recorder(_RawFile):
         def write(self, view):
             writes.append((direct_io._address(view), len(view)))
             return self.raw.write(view)
