@@ -27,6 +27,7 @@ import torch.distributed as dist
 if dist.is_available():  # a torch built without distributed has no group to keep
     import torch.distributed.nn.functional  # noqa: F401
 
+from . import monitor
 from .collectives import IN_FLIGHT, Collectives, DistCollectives, SingleProcessCollectives
 from .errors import WorldEnvironmentError, WorldSizeError
 from .world import DEFAULT_MASTER_ADDR as DEFAULT_MASTER_ADDR  # re-exported: defined with World now
@@ -131,6 +132,7 @@ class CommunicationAPI:
         if self._collectives is not None and self._collectives.monitor is not None:
             self._collectives.monitor.stop()
         if self._owns_process_group and dist.is_initialized():
+            monitor.stop_all()  # every backend's monitor watches the group that goes away (monitor.py)
             dist.destroy_process_group()
         if _ExitGuard.owner is self:
             _ExitGuard.owner = None

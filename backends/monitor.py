@@ -18,16 +18,24 @@ advancing for a few beats. The error is then ``RankDiedError`` naming it. A rank
 Cost: the main thread only stores a small tuple when a wait starts and ends; a daemon thread
 publishes it about once a second when it changed (and a heartbeat every few seconds) and checks the
 deadline. No store traffic happens on the training path.
+
+Lifetime: a process may hold several monitors (a Trainer script's arguments and its Accelerator each
+have a backend, and the one that did not form the group runs the collectives). Leaving the group stops
+all of them (``stop_all``), and so does the interpreter's exit, each waiting for its thread: a daemon
+thread still inside a store call when the interpreter finalizes cannot take the GIL back, and the
+process aborts ("terminate called without an active exception") after the script did all its work.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 log = logging.getLogger("xshard.backends")
@@ -35,6 +43,20 @@ log = logging.getLogger("xshard.backends")
 _KEY = "xshard/progress/{rank}"
 #: seconds between heartbeats when nothing else changed (a dead rank's stops advancing)
 HEARTBEAT = 2.0
+#: how long stopping a monitor waits for its thread's store call to return
+STOP_WAIT_S = 2.0
+
+#: every monitor of this process whose thread runs (each thread holds its monitor while it runs)
+_running: weakref.WeakSet[CollectiveMonitor] = weakref.WeakSet()
+
+
+def stop_all() -> None:
+    """Stop every monitor of this process and wait for its thread (see the module docstring)."""
+    for monitor in list(_running):
+        monitor.stop()
+
+
+atexit.register(stop_all)
 
 
 class CollectiveMonitor:
@@ -59,6 +81,7 @@ class CollectiveMonitor:
         self._publish()  # at once: a rank that dies before the thread's first beat is still known by its pid
         self._thread = threading.Thread(target=self._run, name="xshard-collective-monitor", daemon=True)
         self._thread.start()
+        _running.add(self)
 
     # ------------------------------------------------------------------ main thread
     def waiting(self, number: int, description: str) -> None:
@@ -70,7 +93,11 @@ class CollectiveMonitor:
         self.state = (number, description, False, time.time())
 
     def stop(self) -> None:
+        """End the monitor thread, waiting up to ``STOP_WAIT_S`` for a store call it is in."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(STOP_WAIT_S)
+        _running.discard(self)
 
     # ------------------------------------------------------------------ monitor thread
     def _run(self) -> None:

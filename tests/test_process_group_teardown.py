@@ -50,3 +50,41 @@ def test_leaving_the_group_ends_its_threads_when_torch_dynamo_came_after_it(tmp_
     # the group had threads while it lived, and none is left once it is left
     assert sorted(done.stdout.splitlines()) == ["rank 0 gloo threads: True -> []",
                                                 "rank 1 gloo threads: True -> []"], done.stdout
+
+
+# Two backends in one process, as a Trainer script has (its arguments' and its Accelerator's): the first
+# forms the group, the second joins it and runs the collectives, with their hang monitor. Leaving the group
+# must end every monitor thread of the process, not only the leaving backend's: a monitor thread left
+# inside a store call when the interpreter finalizes aborts the process ("terminate called without an
+# active exception", exit 134; seen once in a fresh-clone run of a Trainer test).
+TWO_BACKENDS = r'''
+import os
+import threading
+import torch
+from xshard.backends import get_backend
+
+def monitors():
+    return sorted(t.name for t in threading.enumerate() if t.name == "xshard-collective-monitor")
+
+first = get_backend("cpu")
+first.init_process_group(timeout=60)
+second = get_backend("cpu")
+second.init_process_group(timeout=60)  # joins the group the first formed
+t = torch.ones(2)
+second.collectives.all_reduce(t, op="sum")
+during = monitors()
+first.destroy_process_group()
+os.write(1, f"rank {os.environ['RANK']} monitor threads: {len(during)} -> {len(monitors())}\n".encode())
+'''
+
+
+def test_leaving_the_group_ends_every_hang_monitor_of_the_process(tmp_path, clean_env):
+    script = tmp_path / "two_backends.py"
+    script.write_text(TWO_BACKENDS)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(free_port()), str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["rank 0 monitor threads: 1 -> 0",
+                                                "rank 1 monitor threads: 1 -> 0"], done.stdout
+
