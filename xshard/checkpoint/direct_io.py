@@ -12,8 +12,8 @@ How. ``BlockWriter`` collects what is written into one page-aligned buffer (8 Mi
 kept) and writes it whole, so that every direct write has the address, length and file offset
 ``O_DIRECT`` requires. Data that is itself page-aligned and met at a chunk boundary of the file (an
 async save's staged file images, ``async_save.HostStaging.image``) is written whole chunks at a time
-from where it is, without that copy. The file's tail (less than a buffer) is written after ``O_DIRECT`` is turned
-off on the descriptor (``fcntl``), so a file is never padded. Where ``O_DIRECT`` is not there (macOS,
+from where it is, without that copy. The file's tail (less than a buffer) is written after
+``O_DIRECT`` is turned off on the descriptor (``fcntl``), so a file is never padded. Where ``O_DIRECT`` is not there (macOS,
 Windows) or refused (tmpfs refuses it at ``open``; a filesystem may refuse it at the first write,
 ``EINVAL``), the same writer writes through the page cache as before: one code path, the same bytes.
 """
