@@ -40,16 +40,20 @@ os.write(1, f"rank {os.environ['RANK']} gloo threads: {bool(during)} -> {gloo_th
 '''
 
 
-def test_leaving_the_group_ends_its_threads_when_torch_dynamo_came_after_it(tmp_path, clean_env):
-    script = tmp_path / "late_imports.py"
-    script.write_text(SCRIPT)
+def _two_ranks(tmp_path, source: str) -> list[str]:
+    """``source`` run by torchrun on 2 ranks; the lines the ranks printed, sorted."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(free_port()), str(script)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+    return sorted(done.stdout.splitlines())
+
+
+def test_leaving_the_group_ends_its_threads_when_torch_dynamo_came_after_it(tmp_path, clean_env):
     # the group had threads while it lived, and none is left once it is left
-    assert sorted(done.stdout.splitlines()) == ["rank 0 gloo threads: True -> []",
-                                                "rank 1 gloo threads: True -> []"], done.stdout
+    assert _two_ranks(tmp_path, SCRIPT) == ["rank 0 gloo threads: True -> []", "rank 1 gloo threads: True -> []"]
 
 
 # Two backends in one process, as a Trainer script has (its arguments' and its Accelerator's): the first
@@ -79,12 +83,5 @@ os.write(1, f"rank {os.environ['RANK']} monitor threads: {len(during)} -> {len(m
 
 
 def test_leaving_the_group_ends_every_hang_monitor_of_the_process(tmp_path, clean_env):
-    script = tmp_path / "two_backends.py"
-    script.write_text(TWO_BACKENDS)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), str(script)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert sorted(done.stdout.splitlines()) == ["rank 0 monitor threads: 1 -> 0",
-                                                "rank 1 monitor threads: 1 -> 0"], done.stdout
+    assert _two_ranks(tmp_path, TWO_BACKENDS) == ["rank 0 monitor threads: 1 -> 0", "rank 1 monitor threads: 1 -> 0"]
 
