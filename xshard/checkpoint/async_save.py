@@ -50,7 +50,7 @@ import torch
 
 from ..log import get_logger
 from .files import CheckpointError, FileWriter
-from .tensorfile import PT_METADATA, safetensors_header
+from .tensorfile import PT_METADATA, safetensors_header, tensor_bytes
 
 if TYPE_CHECKING:
     from ..job import JobState
@@ -79,49 +79,50 @@ class HostStaging:
 
     def __init__(self, buffer: Callable[[int], torch.Tensor]) -> None:
         self._new_buffer = buffer
-        self._free: dict[int, list[torch.UntypedStorage]] = {}
-        self._used: list[torch.UntypedStorage] = []
+        #: (bytes, page-aligned?) -> flat uint8 host buffers free for this save
+        self._free: dict[tuple[int, bool], list[torch.Tensor]] = {}
+        self._used: list[tuple[tuple[int, bool], torch.Tensor]] = []
         self._copied: dict[tuple[int, int, str], torch.UntypedStorage] = {}
-        self._free_images: dict[int, list[torch.Tensor]] = {}
-        self._used_images: list[torch.Tensor] = []
         self.bytes_allocated = 0
 
     def begin(self) -> None:
         """Start a save: the buffers of the previous one (already written) become free again."""
-        for storage in self._used:
-            self._free.setdefault(storage.nbytes(), []).append(storage)
-        for image in self._used_images:
-            self._free_images.setdefault(image.numel(), []).append(image)
-        self._used, self._copied, self._used_images = [], {}, []
+        for key, buffer in self._used:
+            self._free.setdefault(key, []).append(buffer)
+        self._used, self._copied = [], {}
 
     def image(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> torch.Tensor:
         """The bytes of the safetensors file of ``tensors`` (any device), as one flat page-aligned uint8
         host tensor: what ``write_safetensors`` would write, copied once."""
         head = safetensors_header(tensors, metadata)
-        sizes = [t.numel() * t.element_size() for t in tensors.values()]
-        image = self._image_buffer(len(head) + sum(sizes))
+        pieces = [tensor_bytes(t) for t in tensors.values()]  # on each tensor's own device
+        image = self._buffer(len(head) + sum(p.numel() for p in pieces), aligned=True)
         image[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
         at = len(head)
-        for tensor, size in zip(tensors.values(), sizes, strict=True):
-            if size:
-                flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)  # on its own device
-                image[at:at + size].copy_(flat, non_blocking=image.is_pinned())
-                at += size
+        for piece in pieces:
+            image[at:at + piece.numel()].copy_(piece, non_blocking=image.is_pinned())
+            at += piece.numel()
         return image
 
-    def _image_buffer(self, nbytes: int) -> torch.Tensor:
-        free = self._free_images.get(nbytes)
+    def _buffer(self, nbytes: int, aligned: bool) -> torch.Tensor:
+        """A flat uint8 host buffer of exactly ``nbytes`` (its storage too, unless ``aligned``: then it
+        starts at a page), from the pool or new."""
+        key = (nbytes, aligned)
+        free = self._free.get(key)
         if free:
-            image = free.pop()
-        else:
+            buffer = free.pop()
+        elif aligned:
             # a page more than asked, to start at a page: pinned buffers are page-aligned already, a
             # pageable one is aligned only as far as torch's allocator aligns it (64 bytes)
             whole = self._new_buffer(nbytes + mmap.PAGESIZE)
             skip = -whole.data_ptr() % mmap.PAGESIZE
-            image = whole[skip:skip + nbytes]
+            buffer = whole[skip:skip + nbytes]
             self.bytes_allocated += whole.numel()
-        self._used_images.append(image)
-        return image
+        else:
+            buffer = self._new_buffer(nbytes)
+            self.bytes_allocated += nbytes
+        self._used.append((key, buffer))
+        return buffer
 
     def copy(self, obj: Any) -> Any:
         """``obj`` (tensors in dicts, lists and tuples) with every tensor copied to host memory and every
@@ -166,14 +167,8 @@ class HostStaging:
         return torch.empty(0, dtype=tensor.dtype).set_(host, tensor.storage_offset(), tensor.size(), tensor.stride())
 
     def _storage(self, nbytes: int) -> torch.UntypedStorage:
-        free = self._free.get(nbytes)
-        if free:
-            storage = free.pop()
-        else:
-            storage = self._new_buffer(nbytes).untyped_storage()
-            self.bytes_allocated += nbytes
-        self._used.append(storage)
-        return storage
+        # the buffer's whole storage (torch.save writes whole storages): exactly ``nbytes``, not aligned
+        return self._buffer(nbytes, aligned=False).untyped_storage()
 
 
 class StagingWriter:
@@ -184,9 +179,9 @@ class StagingWriter:
         self._staging = staging
         self._files: list[tuple[str, str, tuple[Any, ...]]] = []
 
-    def safetensors(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    def safetensors(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] = PT_METADATA) -> None:
         """Record a safetensors file, as the image of its bytes (``HostStaging.image``)."""
-        self._files.append(("image", name, (self._staging.image(tensors, metadata or PT_METADATA),)))
+        self._files.append(("image", name, (self._staging.image(tensors, metadata),)))
 
     def torch(self, name: str, obj: Any) -> None:
         """Record a ``torch.save`` file."""

@@ -148,9 +148,9 @@ class FileWriter:
             (self.folder / f"partial.rank{self.rank}.safetensors").write_bytes(b"\0" * 16)
             os._exit(17)
 
-    def safetensors(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    def safetensors(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] = PT_METADATA) -> None:
         """Write tensors as a safetensors file (tied tensors are simply written under each name)."""
-        self._write(name, lambda out: write_safetensors(out, tensors, metadata or PT_METADATA))
+        self._write(name, lambda out: write_safetensors(out, tensors, metadata))
 
     def image(self, name: str, data: torch.Tensor) -> None:
         """Write a file whose exact bytes are already in host memory (a flat uint8 CPU tensor): an async

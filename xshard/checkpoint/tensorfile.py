@@ -24,8 +24,8 @@ import torch
 
 from .checksum import new_hasher
 
-__all__ = ["PT_METADATA", "HashingFile", "SAFETENSORS_DTYPES", "atomic_path", "safetensors_header", "write_bytes",
-           "write_safetensors"]
+__all__ = ["PT_METADATA", "HashingFile", "SAFETENSORS_DTYPES", "atomic_path", "safetensors_header", "tensor_bytes",
+           "write_bytes", "write_safetensors"]
 
 #: torch dtype -> safetensors dtype name (the names the safetensors format defines)
 SAFETENSORS_DTYPES = {
@@ -72,10 +72,11 @@ class HashingFile:
         return self.hash.hexdigest()
 
 
-def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a flat uint8 CPU tensor (little-endian, as safetensors stores them)."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor on its own device (little-endian, as safetensors stores
+    them); a view where the tensor is contiguous."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8, device=flat.device)
 
 
 #: the metadata every safetensors file of xshard's carries (transformers' ``from_pretrained`` looks for it)
@@ -109,16 +110,14 @@ def write_safetensors(out: HashingFile | IO[bytes], tensors: dict[str, torch.Ten
     """Write ``tensors`` (any device; copied to the CPU one tensor at a time) as a safetensors file."""
     out.write(safetensors_header(tensors, metadata))
     for tensor in tensors.values():
-        raw = _raw_bytes(tensor)
-        for start in range(0, raw.numel(), _CHUNK):
-            out.write(raw[start:start + _CHUNK].numpy())  # type: ignore[call-overload]  # a bytes-like buffer
+        write_bytes(out, tensor_bytes(tensor.to("cpu")))
 
 
-def write_bytes(out: HashingFile, data: torch.Tensor) -> None:
+def write_bytes(out: HashingFile | IO[bytes], data: torch.Tensor) -> None:
     """Write a flat uint8 CPU tensor's bytes as they are, in pieces (progress moves, and each piece of a
     page-aligned ``data`` starts page-aligned: ``direct_io.BlockWriter`` then writes it without a copy)."""
     for start in range(0, data.numel(), _CHUNK):
-        out.write(data[start:start + _CHUNK].numpy())
+        out.write(data[start:start + _CHUNK].numpy())  # type: ignore[call-overload]  # a bytes-like buffer
 
 
 @contextmanager
