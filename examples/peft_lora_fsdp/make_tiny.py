@@ -52,8 +52,15 @@ def build_tokenizer(texts: list[str]):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
-def build(out_dir: str | Path, n_train: int = 128, n_val: int = 37) -> Path:
-    """Write the tiny model, its tokenizer and the data under ``out_dir``; returns ``out_dir``."""
+def build(out_dir: str | Path, n_train: int = 128, n_val: int = 37, seed: int = 0) -> Path:
+    """Write the tiny model, its tokenizer and the data under ``out_dir``; returns ``out_dir``.
+
+    The model's random weights come from ``seed``: the same stand-in every time, so that a run of the
+    guide's (unseeded) script varies only by its own shuffling and dropout. Left to chance, some
+    initialisations do not learn to emit the label words in the guide's one epoch (accuracy 0 to 89 % in
+    8 unseeded builds here); from seed 0, 6 runs of 6 emitted label words (accuracy 19 to 27 %).
+    """
+    import torch
     from transformers import T5Config, T5ForConditionalGeneration
 
     out = Path(out_dir)
@@ -66,6 +73,7 @@ def build(out_dir: str | Path, n_train: int = 128, n_val: int = 37) -> Path:
     tokenizer = build_tokenizer(texts)
     config = T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
                       num_heads=4, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    torch.manual_seed(seed)
     T5ForConditionalGeneration(config).save_pretrained(out / "tiny-t5")
     tokenizer.save_pretrained(out / "tiny-t5")
     return out
