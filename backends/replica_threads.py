@@ -7,9 +7,10 @@ at different moments start compiling apart by that much. Meeting here first (a h
 no collective) makes them start compiling together, so the wait in the collective is only the
 difference between two compiles of the same graph.
 
-The barrier can never hang a job: a replica that raises releases it (``release``, called by the xla
-launcher), and one that does not arrive within ``TIMEOUT_S`` (some code cut a graph on one replica
-only) breaks it; the waiting replicas go on, and the barrier stays off for the rest of the process.
+The barrier can never hang a job: a replica that raises under `xshard launch` ends the job's process
+(the xla launcher's ``run_script``), and one that does not arrive within ``TIMEOUT_S`` (some code cut
+a graph on one replica only, or a replica of a job started otherwise failed) breaks it; the waiting
+replicas go on, and the barrier stays off for the rest of the process.
 """
 
 from __future__ import annotations
@@ -45,11 +46,3 @@ def align(world_size: int) -> None:
                 log.warning("xla: the replica threads did not all reach a graph cut within %.0f s (a replica "
                             "failed, or cut a graph alone); they no longer wait for each other there", TIMEOUT_S)
 
-
-def release() -> None:
-    """A replica thread failed: let the others go on at once (and stop meeting for the rest of the process)."""
-    global _off
-    with _lock:
-        _off = True
-        if _barrier is not None:
-            _barrier.abort()

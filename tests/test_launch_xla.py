@@ -204,12 +204,26 @@ print(t.cpu())
 
 @pytest.mark.xla
 @needs_torch_xla
-def test_a_replicas_own_exception_is_shown_first_with_its_number(tmp_path) -> None:
+def test_a_replica_that_raises_is_shown_with_its_number_and_ends_the_job(tmp_path) -> None:
+    """As torchrun ends a job whose rank failed: replica 0, waiting for replica 1 in a collective, is
+    not left there until XLA:CPU's 10 s abort (whose 'Termination timeout' would bury the cause)."""
     script = tmp_path / "raiser.py"
     script.write_text(RAISER)
     proc = _xla_launch(["--nproc", "2", str(script)], _xla_env(), timeout=300)
-    assert proc.returncode != 0
+    assert proc.returncode == 1, proc.stderr[-3000:]
     shown = proc.stderr.find("xshard launch: replica 1 raised:")
     assert shown >= 0 and "ValueError: replica one cannot go on" in proc.stderr, proc.stderr[-3000:]
-    later = [proc.stderr.find(m) for m in ("Termination timeout", "replica process died") if m in proc.stderr]
-    assert all(shown < i for i in later), proc.stderr[-3000:]  # before XLA ends the process, not lost in it
+    stopped = proc.stderr.find("xshard launch: replica 1 failed (its message is above), so the job was stopped")
+    assert stopped > shown, proc.stderr[-3000:]
+    assert "Termination timeout" not in proc.stderr and "replica process died" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.xla
+@needs_torch_xla
+def test_a_replicas_failing_exit_code_is_the_jobs(tmp_path) -> None:
+    script = tmp_path / "exits.py"
+    script.write_text(RAISER.replace('raise ValueError("replica one cannot go on")', "raise SystemExit(3)"))
+    proc = _xla_launch(["--nproc", "2", str(script)], _xla_env(), timeout=300)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "xshard launch: replica 1 exited with 3" in proc.stderr, proc.stderr[-3000:]
+    assert "Termination timeout" not in proc.stderr, proc.stderr[-3000:]

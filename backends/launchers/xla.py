@@ -22,7 +22,6 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import replica_threads
 from .base import Launcher, LaunchError, LaunchPlan, LaunchRequest, run_child
 from .parent_death import tie_to_parent
 from .preload import preload_imports
@@ -100,15 +99,18 @@ class XLALauncher(Launcher):
         return run_child([sys.executable, "-u", "-m", SPAWN_MODULE, replicas, *plan.argv, *plan.script_args])
 
 
-def run_script(index: int, command: Sequence[str], spawner_pid: int) -> None:
+def run_script(index: int, command: Sequence[str], spawner_pid: int, failures: str | None = None) -> None:
     """Run the user's script (``[path, args...]`` or ``["-m", module, args...]``) as ``__main__`` in
     one replica (``index``: its global ordinal); a replica process dies with the process that spawned it.
 
-    A replica's own exception is printed at once, with its replica number, before it propagates:
-    where replicas are threads of one process (XLA:CPU), the others are still waiting for it in a
-    collective, and XLA ends the whole process after 10 s there, before torch_xla's launcher could
-    report the exception itself. The script's third-party imports are done first, once per process
-    (``preload_imports``): replica threads importing a lazy package at once can break each other.
+    A replica's own exception (or ``sys.exit`` with a failing code) is printed at once, with its
+    replica number. In a job of several replicas (``failures``: the spawner's file for it) the
+    replica then ends its process, as torchrun ends a job whose rank failed: the other replicas
+    would only wait for it in their next collective, where XLA:CPU (replicas are threads of one
+    process) ends the process after a fixed 10 s, and a TPU's runtime much later. Checkpoints are
+    committed atomically, so this loses none. The script's third-party imports are done first, once
+    per process (``preload_imports``): replica threads importing a lazy package at once can break
+    each other.
     """
     if os.getpid() != spawner_pid:
         tie_to_parent(spawner_pid)
@@ -128,8 +130,31 @@ def run_script(index: int, command: Sequence[str], spawner_pid: int) -> None:
     except SystemExit as exc:
         if exc.code not in (None, 0):
             print(f"xshard launch: replica {index} exited with {exc.code!r}", file=sys.stderr, flush=True)
+            _end_the_job(failures, index, exc.code if isinstance(exc.code, int) else 1)
         raise
     except BaseException:
         print(f"xshard launch: replica {index} raised:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        replica_threads.release()  # the others must not wait for it at a graph cut
+        _end_the_job(failures, index, 1)
         raise
+
+
+def _end_the_job(failures: str | None, index: int, code: int) -> None:
+    """End this replica's process with ``code`` after noting ``index`` in ``failures`` (see ``run_script``);
+    nothing when the job has one replica, whose exception reaches the spawner itself."""
+    if failures is None:
+        return
+    with open(failures, "a") as f:
+        f.write(f"{index} {code}\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def failed_replica(failures: str) -> tuple[int, int] | None:
+    """The first ``(replica, exit code)`` that ``run_script`` noted in ``failures``, or None."""
+    try:
+        with open(failures) as f:
+            first = f.readline().split()
+    except FileNotFoundError:
+        return None
+    return (int(first[0]), int(first[1])) if len(first) == 2 else None

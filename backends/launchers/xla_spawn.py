@@ -5,7 +5,8 @@
 
 ``1`` runs one replica in this process; ``all`` one process per local device (each dies with this
 one). The exit code is the script's (``sys.exit(n)`` in a replica included); a replica's exception
-is printed with its traceback and exits 1. SIGINT or SIGTERM here stops the replica processes with
+is printed with its traceback and exits 1. With several replicas, the first that fails ends the job
+(``run_script``), and this process says which. SIGINT or SIGTERM here stops the replica processes with
 SIGTERM (their replicas are threads, which only a process-wide signal stops) and exits 128 + N.
 """
 
@@ -15,6 +16,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 
 
 def main(argv: list[str]) -> int:
@@ -26,7 +28,7 @@ def main(argv: list[str]) -> int:
 
     import torch_xla.distributed.xla_multiprocessing as xmp
 
-    from .xla import run_script
+    from .xla import failed_replica, run_script
 
     one = argv[0] == "1"
     received: list[int] = []
@@ -44,11 +46,18 @@ def main(argv: list[str]) -> int:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, stop_replicas)
+    fd, failures = tempfile.mkstemp(prefix="xshard-xla-failures-")
+    os.close(fd)
     try:
-        xmp.spawn(run_script, args=(argv[1:], os.getpid()), nprocs=1 if one else None)
+        xmp.spawn(run_script, args=(argv[1:], os.getpid(), None if one else failures), nprocs=1 if one else None)
     except BrokenProcessPool as exc:
         if received:
             return 128 + received[0]
+        failed = failed_replica(failures)
+        if failed is not None:
+            print(f"xshard launch: replica {failed[0]} failed (its message is above), so the job was stopped, "
+                  "as torchrun stops a job when one of its ranks fails", file=sys.stderr)
+            return failed[1]
         print(f"xshard launch: an xla replica process died ({exc})", file=sys.stderr)
         if os.environ.get("PJRT_DEVICE", "").strip().upper() == "CPU" and not one:
             print("xshard launch: XLA:CPU's replicas are threads of that process, and XLA ends it when one waits "
@@ -57,6 +66,8 @@ def main(argv: list[str]) -> int:
                   "mode: retry on a quieter machine, use --nproc 1, or run the same script on the cpu backend "
                   "(XSHARD_BACKEND=cpu)", file=sys.stderr)
         return 1
+    finally:
+        os.unlink(failures)
     return 0
 
 
