@@ -218,12 +218,21 @@ def test_a_replica_that_raises_is_shown_with_its_number_and_ends_the_job(tmp_pat
     assert "Termination timeout" not in proc.stderr and "replica process died" not in proc.stderr, proc.stderr[-3000:]
 
 
-@pytest.mark.xla
-@needs_torch_xla
-def test_a_replicas_failing_exit_code_is_the_jobs(tmp_path) -> None:
-    script = tmp_path / "exits.py"
-    script.write_text(RAISER.replace('raise ValueError("replica one cannot go on")', "raise SystemExit(3)"))
-    proc = _xla_launch(["--nproc", "2", str(script)], _xla_env(), timeout=300)
-    assert proc.returncode == 3, proc.stderr[-3000:]
-    assert "xshard launch: replica 1 exited with 3" in proc.stderr, proc.stderr[-3000:]
-    assert "Termination timeout" not in proc.stderr, proc.stderr[-3000:]
+@pytest.mark.parametrize("ending,code", [("raise SystemExit(3)", 3), ("raise SystemExit('why')", 1),
+                                          ("raise KeyError('k')", 1)])
+def test_a_failing_replica_ends_its_process_with_its_exit_code_and_notes_it(tmp_path, ending, code) -> None:
+    """The replica's side of ending a job of several replicas (the spawner's side: the XLA test above);
+    ``sys.exit(n)`` gives the job's exit code n, as it would without xshard."""
+    script = tmp_path / "fails.py"
+    script.write_text(ending + "\n")
+    failures = tmp_path / "failures"
+    driver = ("import os, sys; from xshard.backends.launchers.xla import run_script; "
+              "run_script(1, [sys.argv[1]], os.getpid(), sys.argv[2]); print('went on')")
+    proc = subprocess.run([sys.executable, "-c", driver, str(script), str(failures)], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == code and "went on" not in proc.stdout, proc.stderr
+    assert "xshard launch: replica 1 " in proc.stderr
+    from xshard.backends.launchers.xla import failed_replica
+
+    assert failed_replica(str(failures)) == (1, code)
+    assert failed_replica(str(tmp_path / "none")) is None
