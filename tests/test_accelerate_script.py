@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.side_by_side import side_by_side
 
 pytestmark = pytest.mark.multiprocess
 
@@ -39,8 +40,8 @@ def _run(command: list[str], out: Path, accelerator: str) -> dict:
 
 def test_accelerate_and_xshard_give_the_same_run_in_one_process(tmp_path):
     pytest.importorskip("accelerate")
-    reference = _run([sys.executable], tmp_path / "accelerate", "accelerate")
-    ours = _run([sys.executable], tmp_path / "xshard", "xshard")
+    reference, ours = side_by_side(lambda: _run([sys.executable], tmp_path / "accelerate", "accelerate"),
+                                   lambda: _run([sys.executable], tmp_path / "xshard", "xshard"))
     assert len(ours["losses"]) == len(reference["losses"]) == 24
     for key in ("losses", "norms", "lrs", "eval_losses"):
         assert ours[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-6), key

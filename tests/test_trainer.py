@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.side_by_side import side_by_side
 
 pytestmark = pytest.mark.multiprocess
 
@@ -51,8 +52,8 @@ def _history(out: Path, key: str = "loss") -> dict[int, float]:
 def test_stock_and_xshard_trainers_give_the_same_run_in_one_process(tiny_model, tmp_path):
     extra = ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_steps", "6",
              "--save_strategy", "no", "--max_grad_norm", "0.5"]
-    _run([sys.executable], _args(tiny_model, tmp_path / "stock", *extra), trainer="stock")
-    _run([sys.executable], _args(tiny_model, tmp_path / "xshard", *extra))
+    side_by_side(lambda: _run([sys.executable], _args(tiny_model, tmp_path / "stock", *extra), trainer="stock"),
+                 lambda: _run([sys.executable], _args(tiny_model, tmp_path / "xshard", *extra)))
     for key in ("loss", "grad_norm", "learning_rate"):
         stock, ours = _history(tmp_path / "stock", key), _history(tmp_path / "xshard", key)
         assert list(ours) == list(stock) == [1, 2, 3, 4, 5, 6], key

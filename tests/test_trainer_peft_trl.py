@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.side_by_side import side_by_side
 
 pytestmark = pytest.mark.multiprocess
 
@@ -72,8 +73,8 @@ def _trl_losses(out: Path) -> list[float]:
 def test_trl_sft_trainer_through_the_mixin_gives_trls_losses(tiny_model, tmp_path):
     pytest.importorskip("trl")
     args = [str(tiny_model), str(DATA)]
-    _run([sys.executable], "trl_sft_script.py", [*args, str(tmp_path / "stock")], trainer="stock")
-    _run([sys.executable], "trl_sft_script.py", [*args, str(tmp_path / "xshard")])
+    side_by_side(lambda: _run([sys.executable], "trl_sft_script.py", [*args, str(tmp_path / "stock")], trainer="stock"),
+                 lambda: _run([sys.executable], "trl_sft_script.py", [*args, str(tmp_path / "xshard")]))
     stock, ours = _trl_losses(tmp_path / "stock"), _trl_losses(tmp_path / "xshard")
     assert len(ours) == len(stock) == 4
     assert ours == pytest.approx(stock, rel=1e-5)
