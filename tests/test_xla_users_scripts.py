@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.side_by_side import side_by_side
 
 pytestmark = pytest.mark.xla
 
@@ -50,7 +51,7 @@ def _launch(nproc: int, env: dict[str, str]) -> list[float]:
 
 def test_minimal_example_learns_the_same_on_one_xla_device_as_on_cpu() -> None:
     pytest.importorskip("torch_xla")
-    on_xla, on_cpu = _launch(1, XLA_ENV), _launch(1, {"XSHARD_BACKEND": "cpu"})
+    on_xla, on_cpu = side_by_side(lambda: _launch(1, XLA_ENV), lambda: _launch(1, {"XSHARD_BACKEND": "cpu"}))
     assert len(on_xla) == len(on_cpu) == 3
     assert on_xla[-1] < 0.5 * on_xla[0], f"no learning on XLA: {on_xla}"
     for a, b in zip(on_xla, on_cpu, strict=True):
@@ -147,9 +148,10 @@ def test_the_trainer_with_an_xla_fsdp_config_trains_as_on_the_cpu(tmp_path: Path
     pytest.importorskip("torch_xla")
     fsdp_config = tmp_path / "xla_fsdp.json"
     fsdp_config.write_text(json.dumps({"xla": True, "xla_fsdp_grad_ckpt": True}))
-    on_xla = _trainer_losses(tiny_model, tmp_path / "xla", ["--fsdp", "full_shard", "--fsdp_config", str(fsdp_config)],
-                             XLA_ENV)
-    on_cpu = _trainer_losses(tiny_model, tmp_path / "cpu", [], {"XSHARD_BACKEND": "cpu"})
+    on_xla, on_cpu = side_by_side(  # one device, no collective: a neighbour's load cannot abort it
+        lambda: _trainer_losses(tiny_model, tmp_path / "xla", ["--fsdp", "full_shard", "--fsdp_config",
+                                                               str(fsdp_config)], XLA_ENV),
+        lambda: _trainer_losses(tiny_model, tmp_path / "cpu", [], {"XSHARD_BACKEND": "cpu"}))
     assert len(on_xla) == len(on_cpu) == 6
     for a, b in zip(on_xla, on_cpu, strict=True):
         assert abs(a - b) <= 1e-4 * abs(b), (on_xla, on_cpu)
