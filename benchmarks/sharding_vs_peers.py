@@ -17,7 +17,13 @@ Measured per configuration (the method is printed with the results):
   was built (see memory_probe), and peak RSS during the timed steps;
 - bytes sent per step per rank: counted by wrapping torch.distributed's functions in each process
   (see comm_count), xshard's own counter alongside; DDP's reducer works from C++, so its bytes come
-  from theory (2 x parameter bytes) and are marked so.
+  from theory (2 x parameter bytes) and are marked so;
+- page faults per step per rank (minor: memory the process touches for the first time since the
+  allocator got it from the kernel). torch's CPU allocator is glibc's malloc, which hands blocks of
+  32 MiB and more straight back to the kernel when they are freed, so a tensor of that size allocated
+  every step is faulted in again, 4 KiB at a time, every step. ``--rank-env`` runs every rank under
+  an allocator setting to compare, e.g. ``MALLOC_MMAP_MAX_=0`` (glibc keeps freed blocks) or
+  ``THP_MEM_ALLOC_ENABLE=1`` (torch asks for 2 MiB pages).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -47,6 +54,7 @@ DEFAULT_CONFIGS = [name for name in CONFIGS if "hsdp" not in name]
 METHOD = (
     "step_s: median over timed steps of the slowest rank's step (zero_grad+fwd+bwd+optimizer step). "
     "cpu_s: CPU time of the whole process (all its threads) per step, median, max over ranks. "
+    "faults_per_step: minor page faults of the process per timed step, median, max over ranks. "
     "state_mib: live tensor storages (gc walk, de-duplicated) at the step's peak (after backward, before "
     "the optimizer step; or after it, whichever is larger) minus before the model was built, max over ranks. "
     "rss_mib: peak RSS during the timed steps, max over ranks. sent_mb: bytes per step per rank asked of "
@@ -88,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
         if world > 1:
             dist.barrier()
 
-    times, fb_times, cpu_times = [], [], []
+    times, fb_times, cpu_times, faults = [], [], [], []
     for i in range(args.warmup + args.steps):
         barrier()
         if i == args.warmup:
@@ -96,6 +104,7 @@ def worker(args: argparse.Namespace) -> None:
         comm_count.reset()
         trainer.reset_own_comm()
         start, cpu_start = time.perf_counter(), time.process_time()
+        faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         trainer.zero_grad()
         trainer.forward_backward()
         mid = time.perf_counter()
@@ -104,6 +113,7 @@ def worker(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - start)
             fb_times.append(mid - start)
             cpu_times.append(time.process_time() - cpu_start)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_start)
     counted, own_comm = comm_count.snapshot(), trainer.own_comm()
     rss_peak = memory_probe.peak_rss_bytes()
 
@@ -117,7 +127,7 @@ def worker(args: argparse.Namespace) -> None:
     profile = profile_step(trainer, barrier, record=rank == 0) if args.profile else None
     write_result({
         "rank": rank, "numel": numel, "step_s": times, "fwd_bwd_s": fb_times, "cpu_s": cpu_times,
-        "phases": phases, "counted": counted, "own_comm": own_comm,
+        "minor_faults": faults, "phases": phases, "counted": counted, "own_comm": own_comm,
         "own_state": trainer.own_state(), "comm_seen_from_python": trainer.comm_seen_from_python,
         "state_bytes": max(live_mid, live_end) - live_before,
         "rss_before": rss_before, "rss_peak": rss_peak, "profile": profile,
@@ -212,6 +222,7 @@ def summarise(name: str, d: int, per_rank: list[dict]) -> dict:
         "fwd_bwd_s": round(statistics.median(
             max(r["fwd_bwd_s"][i] for r in per_rank) for i in range(len(first["fwd_bwd_s"]))), 3),
         "cpu_s": round(max(statistics.median(r["cpu_s"]) for r in per_rank), 3),
+        "faults_per_step": max(int(statistics.median(r["minor_faults"])) for r in per_rank),
         "state_mib": round(max(r["state_bytes"] for r in per_rank) / MIB, 1),
         "rss_mib": round(max(r["rss_peak"] or 0 for r in per_rank) / MIB, 1),
         "rss_growth_mib": round(max((r["rss_peak"] or 0) - (r["rss_before"] or 0) for r in per_rank) / MIB, 1),
@@ -254,7 +265,7 @@ def add_ratios(rows: dict[str, dict]) -> None:
 
 def print_table(d: int, rows: dict[str, dict]) -> None:
     """A markdown table for one model size."""
-    head = ["config", "s/step", "CPU s/step", "x limit", "x DDP", "x best peer", "state MiB/rank", "peak RSS MiB/rank",
+    head = ["config", "s/step", "CPU s/step", "page faults/step (k)", "x limit", "x DDP", "x best peer", "state MiB/rank", "peak RSS MiB/rank",
             "MB sent/step/rank", "sent / psi", "load (1 min)"]
     numel = next((r["params"] for r in rows.values() if "params" in r), 0)
     print(f"\nd={d}, {numel / 1e6:.1f}M parameters")
@@ -271,7 +282,8 @@ def print_table(d: int, rows: dict[str, dict]) -> None:
             if "own_sent_mb" in r:
                 sent += f"; own counter {r['own_sent_mb']:.0f}"
         psi = f"{r['sent_psi']:.2f}" if "sent_psi" in r else ""
-        cells = [name, f"{r['step_s']:.3f}", f"{r['cpu_s']:.3f}", f"{r['x_limit']:.2f}" if "x_limit" in r else ("1.00" if name == "limit" else ""),
+        cells = [name, f"{r['step_s']:.3f}", f"{r['cpu_s']:.3f}", f"{r['faults_per_step'] / 1000:.0f}",
+                 f"{r['x_limit']:.2f}" if "x_limit" in r else ("1.00" if name == "limit" else ""),
                  f"{r['x_ddp']:.2f}" if "x_ddp" in r else "", peer, f"{r['state_mib']:.0f}",
                  f"{r['rss_mib']:.0f}", sent, psi, str(r.get("load_avg_1m", ""))]
         print("| " + " | ".join(cells) + " |")
@@ -299,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--xshard-opt", action="append", default=[], metavar="KEY=VALUE",
                         help="a ShardingOptions field for the xshard configurations (repeatable), "
                              "e.g. forward_prefetch=true")
+    parser.add_argument("--rank-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable for every rank of every configuration (repeatable), "
+                             "e.g. MALLOC_MMAP_MAX_=0 to compare allocator settings")
     parser.add_argument("--profile", action="store_true",
                         help="profile one extra step on rank 0 with torch.profiler and print its top operators")
     parser.add_argument("--d", type=int, help=argparse.SUPPRESS)
@@ -323,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         pass  # the xshard rows will say why they are skipped
     except (TypeError, ValueError) as exc:
         parser.error(f"--xshard-opt: {exc}")
+    if any("=" not in pair for pair in args.rank_env):
+        parser.error("--rank-env takes KEY=VALUE")
+    rank_env = dict(pair.split("=", 1) for pair in args.rank_env)
     sizes = args.sizes or ([256, 128] if args.small else [1024, 512])
     warmup = args.warmup if args.warmup is not None else (1 if args.small else 2)
     steps = args.steps if args.steps is not None else (3 if args.small else 5)
@@ -333,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
           + (f", hybrid configurations on {args.nodes} simulated nodes" if any("hsdp" in c for c in args.configs)
              else "")
           + (f", gloo reduce-scatter via {args.gloo_reduce_scatter}" if args.gloo_reduce_scatter != "backend" else "")
-          + (f", xshard options {parse_options(args.xshard_opt)}" if args.xshard_opt else ""))
+          + (f", xshard options {parse_options(args.xshard_opt)}" if args.xshard_opt else "")
+          + (f", every rank with {' '.join(args.rank_env)}" if args.rank_env else ""))
     print(f"# method: {METHOD}")
     for d in sizes:
         rows: dict[str, dict] = {}
@@ -350,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd += [f"--xshard-opt={o}" for o in args.xshard_opt]
             try:
                 per_rank = run_ranks(cmd, args.world_size if is_distributed(name) else 1,
-                                     env={"DS_ACCELERATOR": "cpu"})
+                                     env={"DS_ACCELERATOR": "cpu", **rank_env})
             except RankFailure as exc:
                 rows[name] = {"config": name, "d": d, "failed": str(exc).splitlines()[-1][:300]}
                 print(json.dumps(rows[name]), flush=True)
