@@ -28,6 +28,7 @@ from .precision import ForwardPrecision, cast_buffers, install_fp32_norms
 from .replicate import ReplicatedEngine
 from .shard_engine import ShardedEngine
 from .sharded_init import RecordedRows, recording_of
+from .storage_pool import StoragePool, can_pool
 from .unit import Runtime, Unit
 from .wrap import split_into_units
 
@@ -103,6 +104,8 @@ class ShardedModel(nn.Module):
             frees_storage_by_resize=backend.frees_storage_by_resize,
             replicas=self.groups.replicas, post_forward=self.groups.post_forward, rebound=rebound,
             fence=backend.optimization_barrier, compiles_graphs=backend.compiles_graphs,
+            # torch's CPU allocator (malloc) does not keep large freed blocks; device allocators do
+            pool=StoragePool() if backend.frees_storage_by_resize and device.type == "cpu" and can_pool() else None,
         )
         specs = split_into_units(module, options)
         if options.activation_checkpointing:
@@ -114,6 +117,8 @@ class ShardedModel(nn.Module):
         self._engine: Engine
         if plan.shard_parameters:
             self.units = [Unit(s, self._rt, i) for i, s in enumerate(specs)]
+            if self._rt.pool is not None:
+                self._rt.pool.make_room([[sp.full_bytes for sp in u.params] for u in self.units])
             self._engine = ShardedEngine(self.units, plan, options)
         else:
             from .params import rehome

@@ -20,17 +20,19 @@ def _nbytes(t: torch.Tensor | None) -> int:
 
 
 def state_bytes(model: Any) -> dict[str, int]:
-    """``{"params", "unsharded_params", "grads", "optimizer", "device", "offloaded", "total"}`` in bytes.
+    """``{"params", "unsharded_params", "pooled", "grads", "optimizer", "device", "offloaded", "total"}`` in bytes.
 
     ``params``: what this rank keeps of the parameters (padded shards; the full tensors at stage 0).
     ``unsharded_params``: full compute copies allocated right now (stages 1-3), and the post-forward
     pieces held between a forward and its backward (``reshard_after_forward=k``).
+    ``pooled``: memory of freed full parameters kept for the next gather (CPU, layers of 32 MiB and
+    more: ``storage_pool``); device bytes.
     ``grads``: gradient shards in ``param.grad`` plus full gradients not yet reduced.
     ``optimizer``: tensors in the state of optimizers passed to ``register_optimizer``.
     """
     rt = model._rt
     offload = bool(rt.plan.offload)
-    out = {"params": 0, "unsharded_params": 0, "grads": 0, "optimizer": 0, "device": 0, "offloaded": 0}
+    out = {"params": 0, "unsharded_params": 0, "pooled": 0, "grads": 0, "optimizer": 0, "device": 0, "offloaded": 0}
 
     def add(kind: str, t: torch.Tensor | None, by_policy_offloaded: bool, nbytes: int | None = None) -> None:
         n = _nbytes(t) if nbytes is None else nbytes
@@ -61,5 +63,8 @@ def state_bytes(model: Any) -> dict[str, int]:
             for v in state.values():
                 if isinstance(v, torch.Tensor):
                     add("optimizer", v, offload)
-    out["total"] = out["params"] + out["unsharded_params"] + out["grads"] + out["optimizer"]
+    if rt.pool is not None:
+        out["pooled"] = rt.pool.bytes_held
+        out["device"] += rt.pool.bytes_held
+    out["total"] = out["params"] + out["unsharded_params"] + out["pooled"] + out["grads"] + out["optimizer"]
     return out

@@ -41,6 +41,7 @@ import torch
 from .layout import FlatLayout
 from .params import Rebound, ShardedParam
 from .plan import ShardingPlan
+from .storage_pool import StoragePool
 from .wrap import UnitSpec, param_owner_is_norm
 
 if TYPE_CHECKING:  # types only: the core imports nothing of the device layer at run time
@@ -86,6 +87,8 @@ class Runtime:
     #: the device compiles whole graphs (XLA): the compiler schedules the collectives, so the core
     #: issues no gather ahead (a prefetched gather would only keep two units' parameters alive)
     compiles_graphs: bool = False
+    #: freed full-parameter memory kept for the next gather (the CPU: see storage_pool), or None
+    pool: StoragePool | None = None
 
 
 class Unit:
@@ -267,7 +270,9 @@ class Unit:
         return self._post_stamp is not None and not self.stale and self._post_stamp == self.versions()
 
     def _free(self, sp: ShardedParam) -> None:
-        if self.rt.frees_storage_by_resize:
+        if self.rt.pool is not None:
+            self.rt.pool.free(sp.full.untyped_storage())
+        elif self.rt.frees_storage_by_resize:
             sp.full.untyped_storage().resize_(0)
         else:  # devices without resizable storage (XLA): drop the data, keep the Parameter object
             sp.full.data = torch.empty(0, dtype=sp.gather_dtype, device=self.rt.device)
@@ -275,7 +280,10 @@ class Unit:
     def _alloc(self, sp: ShardedParam) -> None:
         storage = sp.full.untyped_storage()
         if storage.size() == 0:
-            storage.resize_(sp.full_bytes)
+            if self.rt.pool is not None:
+                self.rt.pool.alloc(storage, sp.full_bytes)
+            else:
+                storage.resize_(sp.full_bytes)
 
     def live_full_bytes(self, sp: ShardedParam) -> int:
         """Bytes of ``sp``'s full compute copy allocated right now (0 when freed)."""
