@@ -6,7 +6,7 @@ objects; nothing outside ``backends/`` names a device family. A Backend knows no
 The contract is split by role, each in its own module with a default for every member:
 
 - ``DeviceAPI`` (device.py): device, RNG, memory, dtypes, autocast, grad scaler, per-step hooks,
-  and the capabilities ``frees_storage_by_resize`` and ``compiles_graphs``;
+  and the capabilities ``frees_storage_by_resize``, ``allocator_caches`` and ``compiles_graphs``;
 - ``CommunicationAPI`` (communication.py): process group, ``collectives``, ``local_collectives()``;
 - ``Launcher`` (launchers/): how `xshard launch` starts the processes, from ``Backend.launcher()``.
 

@@ -18,6 +18,7 @@ class CPUBackend(Backend):
     dist_backend = "gloo"
     visible_devices_env = None
     native_avg = False  # gloo's AVG support varies by version: SUM then divide is always right
+    allocator_caches = False  # torch's CPU allocator is malloc (see DeviceAPI.allocator_caches)
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

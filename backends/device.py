@@ -52,6 +52,10 @@ class DeviceAPI:
     #: can a full parameter be freed by resizing its storage to 0 (eager devices)? False where
     #: tensors have no storage to resize (XLA): the core then replaces the tensor instead
     frees_storage_by_resize: ClassVar[bool] = True
+    #: does the device's allocator keep freed blocks for the next allocation (the caching allocators of
+    #: cuda, npu, mps)? False on the CPU, whose malloc hands large blocks back to the kernel: the
+    #: sharded core then keeps freed full parameters' memory itself (xshard/sharding/storage_pool.py)
+    allocator_caches: ClassVar[bool] = True
     #: does the device compile whole graphs (XLA)? Then each new tensor shape is a new compilation,
     #: so the data path should keep shapes static (pad batches to a few fixed widths)
     compiles_graphs: ClassVar[bool] = False

@@ -104,8 +104,7 @@ class ShardedModel(nn.Module):
             frees_storage_by_resize=backend.frees_storage_by_resize,
             replicas=self.groups.replicas, post_forward=self.groups.post_forward, rebound=rebound,
             fence=backend.optimization_barrier, compiles_graphs=backend.compiles_graphs,
-            # torch's CPU allocator (malloc) does not keep large freed blocks; device allocators do
-            pool=StoragePool() if backend.frees_storage_by_resize and device.type == "cpu" and can_pool() else None,
+            pool=StoragePool() if backend.frees_storage_by_resize and not backend.allocator_caches and can_pool() else None,
         )
         specs = split_into_units(module, options)
         if options.activation_checkpointing:

@@ -1,4 +1,7 @@
-"""Freed full-parameter memory kept for the next gather of the same size, on the CPU.
+"""Freed full-parameter memory kept for the next gather of the same size, where the device's allocator does not.
+
+Used where ``Backend.allocator_caches`` is False (the CPU) and full parameters are freed by resizing
+their storage (``frees_storage_by_resize``).
 
 At stages 1-3 a unit's full parameters are gathered into their storages and freed again after use
 (``Unit._alloc`` / ``Unit._free``): at stage 3 twice a step. A GPU's or an NPU's caching allocator
