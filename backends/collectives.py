@@ -61,6 +61,12 @@ if TYPE_CHECKING:
     from torch.distributed import Work  # a process group's in-flight operation
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
+#: the ways ``DistCollectives`` can do a reduce-scatter (its ``reduce_scatter_form``)
+ReduceScatterForm: TypeAlias = Literal["native", "all_reduce", "reduce", "exchange"]
+REDUCE_SCATTER_FORMS: tuple[ReduceScatterForm, ...] = ("native", "all_reduce", "reduce", "exchange")
+#: the elementwise reduction of each op but the average (a sum, then a divide) where a rank reduces itself
+_LOCAL_REDUCE: dict[str, Callable[..., torch.Tensor]] = {"sum": torch.add, "max": torch.maximum,
+                                                          "min": torch.minimum}
 
 #: what a finished collective hands back: its output tensor, the outputs of a list form, or None (a barrier)
 Output: TypeAlias = "torch.Tensor | list[torch.Tensor] | None"
@@ -206,6 +212,8 @@ class Handle:
                     monitor.done(*self._label)
             if self._finish is not None:
                 self._finish()
+            # what the work held (an exchange's inbox, a packing buffer) is not needed any more
+            self._works, self._finish = (), None
             self._done = True
             if self._counted:
                 IN_FLIGHT.add(-1)
@@ -215,6 +223,11 @@ class Handle:
     def done(self) -> bool:
         """Has ``wait()`` completed?"""
         return self._done
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are views of one storage (an output that may alias its input)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -584,12 +597,14 @@ class DistCollectives(Collectives):
 
     Args:
         native_avg: the process group implements ReduceOp.AVG; otherwise SUM then divide.
-        reduce_scatter_via_all_reduce: implement reduce-scatter as an all-reduce of the whole buffer
-            and a copy of this rank's slice (faster than gloo's own reduce-scatter, but it moves an
-            all-reduce's bytes: at stage 3 a step then sends 4 psi where 3 psi is the logical figure).
-        reduce_scatter_via_reduce: implement reduce-scatter as one ``reduce`` per rank, of that rank's
-            slice to that rank (the logical bytes of a reduce-scatter; see ``backends/cpu.py`` for
-            which of the two the CPU backend uses, and why).
+        reduce_scatter_form: how a reduce-scatter is done (``REDUCE_SCATTER_FORMS``; see
+            ``backends/cpu.py`` for the CPU backend's choice, and why):
+            ``"native"``, the process group's own reduce-scatter; ``"all_reduce"``, an all-reduce of
+            the whole input and a copy of this rank's slice (it moves an all-reduce's bytes: at stage 3
+            a step then sends 4 psi where 3 psi is the logical figure); ``"reduce"``, one ``reduce``
+            per rank of that rank's slice to that rank; ``"exchange"``, point-to-point: every rank
+            sends each peer that peer's slice and reduces the copies of its own slice itself (the
+            logical bytes of a reduce-scatter, ``(world - 1) / world`` of the input sent per rank).
         all_gather_via_broadcast: implement all-gather as one broadcast per rank into the output's
             slices (faster than gloo's own all-gather; no staging copy).
         group: the process group (default: the world).
@@ -602,9 +617,8 @@ class DistCollectives(Collectives):
     def __init__(
         self,
         native_avg: bool = False,
-        reduce_scatter_via_all_reduce: bool = False,
+        reduce_scatter_form: ReduceScatterForm = "native",
         all_gather_via_broadcast: bool = False,
-        reduce_scatter_via_reduce: bool = False,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
         timeout: float | None = None,
@@ -616,10 +630,9 @@ class DistCollectives(Collectives):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.native_avg = native_avg
-        if reduce_scatter_via_all_reduce and reduce_scatter_via_reduce:
-            raise ValueError("choose one of reduce_scatter_via_all_reduce and reduce_scatter_via_reduce")
-        self.reduce_scatter_via_all_reduce = reduce_scatter_via_all_reduce
-        self.reduce_scatter_via_reduce = reduce_scatter_via_reduce
+        if reduce_scatter_form not in REDUCE_SCATTER_FORMS:
+            raise ValueError(f"reduce_scatter_form {reduce_scatter_form!r} is not one of {REDUCE_SCATTER_FORMS}")
+        self.reduce_scatter_form = reduce_scatter_form
         self.all_gather_via_broadcast = all_gather_via_broadcast
         self._global_ranks = [dist.get_global_rank(group, r) if group is not None else r
                               for r in range(self.world_size)]
@@ -657,29 +670,31 @@ class DistCollectives(Collectives):
         return Handle(works, outputs)
 
     def _reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str) -> Handle:
-        if self.reduce_scatter_via_all_reduce or self.reduce_scatter_via_reduce:
-            return self._reduce_in_place([output], [input], op, output)
+        if self.reduce_scatter_form != "native":
+            return self._reduce_scatter_by_form([output], [input], op, output)
         dop, divisor = self._dist_op(op)
         work = _reduce_scatter_single(output, input, op=dop, group=self.group, async_op=True)
         return Handle([work], output, (lambda: output.div_(divisor)) if divisor is not None else None)
 
     def _reduce_scatter_many(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                              op: str) -> Handle:
-        if self.reduce_scatter_via_all_reduce or self.reduce_scatter_via_reduce:
-            return self._reduce_in_place(outputs, inputs, op, outputs)
+        if self.reduce_scatter_form != "native":
+            return self._reduce_scatter_by_form(outputs, inputs, op, outputs)
         return super()._reduce_scatter_many(outputs, inputs, op)
 
-    def _reduce_in_place(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str,
-                         result: Output) -> Handle:
-        """Reduce-scatter with gloo operations that beat its own: each input is reduced in place (it is
-        the caller's scratch: no packing buffer) and this rank's slice is copied out, with the
-        average's divide folded into the copy.
+    def _reduce_scatter_by_form(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str,
+                                result: Output) -> Handle:
+        """Reduce-scatter with operations that beat gloo's own, each input taken as it is (it is the
+        caller's scratch: no packing buffer).
 
-        ``reduce_scatter_via_all_reduce``: one all-reduce of each input (every rank gets every slice);
-        ``reduce_scatter_via_reduce``: one ``reduce`` of each rank's slice to that rank.
+        ``"all_reduce"``: one all-reduce of each input in place (every rank gets every slice);
+        ``"reduce"``: one ``reduce`` of each rank's slice to that rank; then this rank's slice is
+        copied out, with the average's divide folded into the copy. ``"exchange"``: ``_exchange``.
         """
+        if self.reduce_scatter_form == "exchange":
+            return self._exchange(outputs, inputs, op, result)
         dop, divisor = self._dist_op(op)
-        if self.reduce_scatter_via_reduce:
+        if self.reduce_scatter_form == "reduce":
             works = []
             for t, out in zip(inputs, outputs, strict=True):
                 n, flat = out.numel(), t.view(-1)
@@ -696,6 +711,55 @@ class DistCollectives(Collectives):
                     out.view(-1).copy_(mine)
                 else:
                     torch.div(mine, divisor, out=out.view(-1))
+
+        return Handle(works, result, finish)
+
+    def _exchange(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: str,
+                  result: Output) -> Handle:
+        """Reduce-scatter as point-to-point sends: each rank sends every peer that peer's slice of each
+        input and receives the peers' copies of its own slice, then reduces them itself.
+
+        Each rank sends ``(world - 1) / world`` of the input, the logical bytes of a reduce-scatter and
+        half of what an all-reduce sends (a ring all-reduce is a reduce-scatter plus an all-gather).
+        The lowest-ranked peer's copy is received straight into the output, the others' into an
+        inbox (none at 2 ranks), freed when the handle is waited. The copies are reduced in rank
+        order (the first two swapped, which IEEE addition, max and min do not notice), so the result
+        does not depend on which message came first. All sends and receives are posted at once; each
+        peer pair's messages match in the order they were posted, which is the same on every rank.
+        """
+        world, rank = self.world_size, self.rank
+        reduce = _LOCAL_REDUCE["sum" if op == "avg" else op]
+        works: list[Work | None] = []
+        plans: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (the output, the copies to reduce into it)
+        for t, out in zip(inputs, outputs, strict=True):
+            n, flat, dest = out.numel(), t.view(-1), out.view(-1)
+            peers = [r for r in range(world) if r != rank]
+            into_output = not _shares_storage(dest, flat) and bool(peers)
+            inbox = iter(torch.empty((len(peers) - into_output) * n, dtype=t.dtype, device=t.device).split(n))
+            copies = []
+            for r in range(world):
+                piece = flat[r * n:(r + 1) * n]
+                if r != rank:
+                    works.append(dist.isend(piece, dst=self._global_ranks[r], group=self.group))
+                    piece = dest if into_output and r == peers[0] else next(inbox)
+                    works.append(dist.irecv(piece, src=self._global_ranks[r], group=self.group))
+                copies.append(piece)
+            plans.append((dest, copies))
+
+        def finish() -> None:
+            for dest, copies in plans:
+                rest = [c for c in copies if c is not dest]
+                if len(rest) < len(copies):  # one copy was received into the output: reduce the rest into it
+                    for other in rest:
+                        reduce(dest, other, out=dest)
+                else:  # the output aliases the input (or there is no peer): reduce aside, then copy
+                    total = reduce(copies[0], copies[1]) if len(copies) > 1 else copies[0]
+                    for other in copies[2:]:
+                        reduce(total, other, out=total)
+                    dest.copy_(total)
+                if op == "avg":
+                    dest.div_(world)
+            plans.clear()  # the inboxes go with them
 
         return Handle(works, result, finish)
 

@@ -44,6 +44,7 @@ COLUMNS = {
     "rs_xshard": "xshard reduce_scatter",
     "rs_xshard_all_reduce": "xshard, via all_reduce",
     "rs_xshard_reduces": "xshard, via one reduce per rank",
+    "rs_xshard_exchange": "xshard, via point-to-point exchange",
     "ag_gloo": "all_gather_into_tensor (gloo)",
     "ag_broadcasts": "one broadcast per rank",
     "ag_xshard": "xshard all_gather",
@@ -62,9 +63,10 @@ def _operations(numel: int) -> dict[str, Callable[[], None]]:
     out_full = torch.empty(shard * world)
     out_part = torch.empty(shard)
     xshard = DistCollectives(native_avg=CPUBackend.native_avg, **CPUBackend().collective_options())
-    # the two gloo forms of reduce-scatter the CPU backend can choose between, explicitly
-    via_all_reduce = DistCollectives(native_avg=False, reduce_scatter_via_all_reduce=True)
-    via_reduces = DistCollectives(native_avg=False, reduce_scatter_via_reduce=True)
+    # the forms of reduce-scatter the CPU backend can choose between, explicitly
+    via_all_reduce = DistCollectives(native_avg=False, reduce_scatter_form="all_reduce")
+    via_reduces = DistCollectives(native_avg=False, reduce_scatter_form="reduce")
+    via_exchange = DistCollectives(native_avg=False, reduce_scatter_form="exchange")
 
     def all_reduce_slice() -> None:
         dist.all_reduce(full)
@@ -90,6 +92,7 @@ def _operations(numel: int) -> dict[str, Callable[[], None]]:
         "rs_xshard": lambda: xshard.reduce_scatter_tensor(out_part, full, op="sum"),
         "rs_xshard_all_reduce": lambda: via_all_reduce.reduce_scatter_tensor(out_part, full, op="sum"),
         "rs_xshard_reduces": lambda: via_reduces.reduce_scatter_tensor(out_part, full, op="sum"),
+        "rs_xshard_exchange": lambda: via_exchange.reduce_scatter_tensor(out_part, full, op="sum"),
         "ag_gloo": lambda: _all_gather_single(out_full, part),
         "ag_broadcasts": broadcasts,
         "ag_xshard": lambda: xshard.all_gather_into_tensor(out_full, part),

@@ -86,9 +86,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.gloo_reduce_scatter != "backend":  # the CPU backend's reduce-scatter form, for comparing them
         from xshard.backends.cpu import CPUBackend
 
-        choice = {"all_reduce": "reduce_scatter_via_all_reduce", "reduce": "reduce_scatter_via_reduce"}
-        options = {**CPUBackend().collective_options(), "reduce_scatter_via_all_reduce": False,
-                   "reduce_scatter_via_reduce": False, choice[args.gloo_reduce_scatter]: True}
+        options = {**CPUBackend().collective_options(), "reduce_scatter_form": args.gloo_reduce_scatter}
         CPUBackend.collective_options = lambda self: options
     trainer = build(args.worker, model, batch, args.world_size, parse_options(args.xshard_opt), args.nodes)
 
@@ -299,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=2,
                         help="simulated nodes of the hybrid configurations (*-hsdp*): sharded within each "
                              "of --nodes groups of consecutive ranks, replicated across them (default 2)")
-    parser.add_argument("--gloo-reduce-scatter", choices=("backend", "all_reduce", "reduce"), default="backend",
+    parser.add_argument("--gloo-reduce-scatter", choices=("backend", "all_reduce", "reduce", "exchange"), default="backend",
                         help="the reduce-scatter form xshard uses on gloo: the CPU backend's choice (default), "
                              "an all-reduce plus a slice, or one reduce per rank")
     parser.add_argument("--blocks", type=int, default=8)

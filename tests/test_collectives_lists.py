@@ -1,7 +1,8 @@
 """List-form collectives (one sharded unit's tensors as one operation) on real gloo ranks.
 
 Every implementation is checked: the gloo options of the CPU backend (per tensor, in place:
-broadcast into the outputs; one reduce per rank, or an all-reduce, of the inputs) and the default one
+broadcast into the outputs; one reduce per rank, an all-reduce, or a point-to-point exchange of the
+inputs) and the default one
 (pack into one buffer, one collective, unpack) that NCCL, HCCL and XLA use. Sizes are uneven and dtypes mixed; bytes and
 calls follow the ZeRO-paper convention with one call per list.
 """
@@ -34,8 +35,9 @@ def _exercise(rank: int, world_size: int) -> dict:
     backend.init_process_group(timeout=60)
     out: dict = {}
     forms = {"gloo_options": backend.collectives, "packed": DistCollectives(),
-             "via_all_reduce": DistCollectives(reduce_scatter_via_all_reduce=True),
-             "via_reduce": DistCollectives(reduce_scatter_via_reduce=True)}
+             "via_all_reduce": DistCollectives(reduce_scatter_form="all_reduce"),
+             "via_reduce": DistCollectives(reduce_scatter_form="reduce"),
+             "via_exchange": DistCollectives(reduce_scatter_form="exchange")}
     for name, coll in forms.items():
         coll.counter.reset()
         # gather: tensor 0 in place (its input is its own output slice), the others from separate inputs
@@ -47,12 +49,16 @@ def _exercise(rank: int, world_size: int) -> dict:
         handle = coll.all_gather_into_tensors(outputs, inputs, async_op=True)
         handle.wait()
         out[(name, "gathered")] = outputs
-        # reduce-scatter (one dtype), sum then avg
-        for op in ("sum", "avg"):
+        # reduce-scatter (one dtype): sum, avg, max
+        for op in ("sum", "avg", "max"):
             grads = [_full_grad(i, rank, world_size) for i in range(len(SIZES))]
             shards = [torch.empty(n) for n in SIZES]
             coll.reduce_scatter_tensors(shards, grads, op=op)
             out[(name, op)] = shards
+        # the output may be the input's own slice (an in-place reduce-scatter)
+        grad = _full_grad(0, rank, world_size)
+        coll.reduce_scatter_tensor(grad[rank * SIZES[0]:(rank + 1) * SIZES[0]], grad, op="sum")
+        out[(name, "in place")] = grad[rank * SIZES[0]:(rank + 1) * SIZES[0]]
         out[(name, "counter")] = coll.counter.snapshot()
     backend.destroy_process_group()
     return out
@@ -63,7 +69,7 @@ def test_list_collectives_values_and_bytes(world_size: int) -> None:
     results = run_workers(_exercise, world_size)
     total = sum(r + 1 for r in range(world_size))
     for rank, res in enumerate(results):
-        for name in ("gloo_options", "packed", "via_all_reduce", "via_reduce"):
+        for name in ("gloo_options", "packed", "via_all_reduce", "via_reduce", "via_exchange"):
             for i, got in enumerate(res[(name, "gathered")]):
                 expected = torch.cat([_shard(i, r) for r in range(world_size)])
                 assert got.dtype == DTYPES[i] and torch.equal(got, expected), (name, i)
@@ -72,11 +78,16 @@ def test_list_collectives_values_and_bytes(world_size: int) -> None:
                 mine = full_sum[rank * n:(rank + 1) * n]
                 assert torch.allclose(res[(name, "sum")][i], mine), (name, i)
                 assert torch.allclose(res[(name, "avg")][i], mine / world_size), (name, i)
+                top = torch.arange(n * world_size, dtype=torch.float32) * world_size + i  # the last rank's
+                assert torch.equal(res[(name, "max")][i], top[rank * n:(rank + 1) * n]), (name, i)
+            n = SIZES[0]
+            expected = (torch.arange(n * world_size, dtype=torch.float32) * total)[rank * n:(rank + 1) * n]
+            assert torch.allclose(res[(name, "in place")], expected), name
             gather_bytes = sum(n * world_size * torch.empty((), dtype=d).element_size()
                                for n, d in zip(SIZES, DTYPES, strict=True))
             assert res[(name, "counter")] == {
-                "bytes": {"all_gather": gather_bytes, "reduce_scatter": 2 * 4 * sum(SIZES) * world_size},
-                "calls": {"all_gather": 1, "reduce_scatter": 2},  # one call per list, whatever the wire does
+                "bytes": {"all_gather": gather_bytes, "reduce_scatter": 4 * (3 * sum(SIZES) + SIZES[0]) * world_size},
+                "calls": {"all_gather": 1, "reduce_scatter": 4},  # one call per list, whatever the wire does
             }, name
 
 
