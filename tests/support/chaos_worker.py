@@ -29,7 +29,7 @@ def event(name: str, step: int) -> None:
 
 
 class Net(nn.Module):
-    _no_split_modules = ["Block"]
+    _no_split_modules = ["Sequential"]  # each of the three blocks is one unit
 
     def __init__(self) -> None:
         super().__init__()
