@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                              "of --nodes groups of consecutive ranks, replicated across them (default 2)")
     parser.add_argument("--gloo-reduce-scatter", choices=("backend", "all_reduce", "reduce", "exchange"), default="backend",
                         help="the reduce-scatter form xshard uses on gloo: the CPU backend's choice (default), "
-                             "an all-reduce plus a slice, or one reduce per rank")
+                             "an all-reduce plus a slice, one reduce per rank, or a point-to-point exchange")
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences), split over the ranks")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
