@@ -731,9 +731,9 @@ class DistCollectives(Collectives):
         reduce = _LOCAL_REDUCE["sum" if op == "avg" else op]
         works: list[Work | None] = []
         plans: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (the output, the copies to reduce into it)
+        peers = [r for r in range(world) if r != rank]
         for t, out in zip(inputs, outputs, strict=True):
             n, flat, dest = out.numel(), t.view(-1), out.view(-1)
-            peers = [r for r in range(world) if r != rank]
             into_output = not _shares_storage(dest, flat) and bool(peers)
             inbox = iter(torch.empty((len(peers) - into_output) * n, dtype=t.dtype, device=t.device).split(n))
             copies = []

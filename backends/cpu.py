@@ -57,7 +57,8 @@ class CPUBackend(Backend):
 
     def collective_options(self) -> dict[str, Any]:
         # gloo's own reduce_scatter and all_gather are slower than other ways of doing the same job
-        # (benchmarks/collectives_gloo.py, 64 MB fp32 on 2 cores, ms): a reduce-scatter by point-to-point
-        # exchange sends half the bytes of an all-reduce and its slice (2 ranks: 37 against 66 and gloo's
-        # own 102-107; 4 ranks: 81 against 153), and an all-gather as one broadcast per rank beats gloo's.
+        # (benchmarks/collectives_gloo.py, 64 MiB fp32 on 2 cores, ms; benchmarks/RESULTS.md): a
+        # reduce-scatter by point-to-point exchange sends half the bytes of an all-reduce and its slice
+        # (2 ranks: 30-34 against 57-61, gloo's own 95; 4 ranks: 89-90 against 124-125, gloo's own 196),
+        # and an all-gather as one broadcast per rank beats gloo's (35 against 75 on 2 ranks).
         return {"reduce_scatter_form": "exchange", "all_gather_via_broadcast": True}
