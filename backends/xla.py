@@ -266,6 +266,8 @@ class XLABackend(Backend):
         # XLA:CPU replicas are threads that compile their own copies of each graph (see
         # XLACollectives.channel_ids); TPU replicas keep torch_xla's defaults (pinned layouts).
         threads = self.world.world_size if self._replicas_are_threads() else 1
+        if threads > 1:
+            use_host_rendezvous()
         return XLACollectives(self.world.rank, self.world.world_size,
                               channel_ids=self.runtime_device_type() == "CPU", process_replicas=threads)
 
@@ -381,6 +383,46 @@ class XLABackend(Backend):
         except Exception as exc:  # a report must not crash on a half-working runtime
             facts["runtime_device_type"] = f"unknown ({type(exc).__name__}: {exc})"
         return facts
+
+
+_rendezvous_lock = threading.Lock()
+
+
+def use_host_rendezvous() -> None:
+    """Replace ``xm.rendezvous`` (and so ``xm.mesh_reduce``) for the rest of this process, whose
+    replicas are threads (XLA:CPU): the payloads are exchanged on the host (``replica_threads.exchange``).
+
+    torch_xla's rendezvous all-gathers the payloads with collectives that carry no channel id, and
+    XLA:CPU matches those between replica threads by an id that differs between copies of a graph
+    compiled apart: the replicas wait for each other until XLA ends the process. The transformers
+    Trainer meets it at its first logging step (``nested_gather`` is ``xm.mesh_reduce`` on XLA) and
+    at saves (``xm.rendezvous``); scripts written for torch_xla use ``xm.mesh_reduce`` for metrics.
+    Same contract: the pending graph is run first, and the result lists every replica's payload in
+    ordinal order. Code that did ``from torch_xla.core.xla_model import rendezvous`` keeps the original.
+    """
+    xm = xla_model()
+    with _rendezvous_lock:
+        if getattr(xm.rendezvous, "__xshard_host__", False):
+            return
+        original = xm.rendezvous
+
+        @functools.wraps(original)
+        def rendezvous(tag: str, payload: bytes = b"", replicas: list[int] | None = None) -> list[bytes]:
+            xr = _runtime()
+            world_size = int(xr.world_size())
+            if replicas and sorted(replicas) != list(range(world_size)):
+                raise ValueError(f"xm.rendezvous({tag!r}): only a rendezvous of every replica is supported, "
+                                 f"got replicas={replicas}")
+            if not isinstance(payload, bytes):
+                raise TypeError(f"xm.rendezvous({tag!r}): payload must be bytes, not {type(payload).__name__}")
+            replica_threads.align(world_size)
+            sync_graph()
+            return replica_threads.exchange(world_size, int(xr.global_ordinal()), payload)
+
+        rendezvous.__xshard_host__ = True  # type: ignore[attr-defined]
+        xm.rendezvous = rendezvous
+    log.info("xla: xm.rendezvous and xm.mesh_reduce exchange their payloads between the replica threads on the "
+             "host (XLA:CPU cannot match their collectives between replicas)")
 
 
 class OptimizerStepPatch(StepPatch):

@@ -83,6 +83,11 @@ def test_nproc_on_xla_cpu_makes_that_many_virtual_devices(xla_selected, script) 
     # each replica's waiting step and its queued transfers hold pool threads (see cpu_replicas_env):
     # a pool of 2 aborted the 2-device minimal example every time, 16 never
     assert int(plan.env["XLA_THREAD_POOL_SIZE"]) >= 16
+    # torch_xla's asynchronous CPU client aborted about 4 runs in 10 of it; the synchronous one none
+    assert plan.env["PJRT_CPU_ASYNC_CLIENT"] == "0"
+    xla_selected.setenv("PJRT_CPU_ASYNC_CLIENT", "1")  # a value the user exported is theirs
+    assert "PJRT_CPU_ASYNC_CLIENT" not in plan_launch(LaunchOptions(script=script, nproc=2)).env
+    xla_selected.delenv("PJRT_CPU_ASYNC_CLIENT")
     xla_selected.setenv("CPU_NUM_DEVICES", "2")
     plan = plan_launch(LaunchOptions(script=script, nproc=2))
     assert plan.nproc == 2 and "CPU_NUM_DEVICES" not in plan.env  # the exported value is used as it is
@@ -127,7 +132,7 @@ def _xla_launch(args: list[str], env: dict[str, str], timeout: float = 300) -> s
 
 
 def _xla_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("CPU_NUM_DEVICES", "XLA_THREAD_POOL_SIZE")}
+    env = {k: v for k, v in os.environ.items() if k not in ("CPU_NUM_DEVICES", "XLA_THREAD_POOL_SIZE", "PJRT_CPU_ASYNC_CLIENT")}
     env.update(XSHARD_BACKEND="xla", PJRT_DEVICE="CPU", OMP_NUM_THREADS="1", **extra)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     return env

@@ -47,16 +47,8 @@ def assert_same_state(state: dict[str, torch.Tensor], reference: dict[str, torch
         torch.testing.assert_close(value, reference[name], atol=ATOL, rtol=0, msg=name)
 
 
-# XLA:CPU (torch_xla 2.9) ends the process when one replica thread reaches a collective more than a fixed
-# 10 s after the other (no flag sets that timeout for the CPU runtime); issue 22's open item.
-_LATE_REPLICA = pytest.mark.xfail(strict=False, reason=(
-    "2 XLA:CPU replica threads on 2 cores: the stage-3 run with activation checkpointing aborted in its first "
-    "all-gather ('Termination timeout ... of 10 seconds exceeded', one replica late) in 1 of the last 2 clean-clone "
-    "runs of make test; passed in the other and alone"))
-
-
 @pytest.mark.parametrize("stage,checkpointing,step_with_xm", [
-    (0, False, False), pytest.param(3, True, True, marks=_LATE_REPLICA)],
+    (0, False, False), (3, True, True)],
     ids=["stage0", "stage3-ckpt-xm.optimizer_step"])
 def test_two_xla_replicas_train_like_one_cpu_process(stage: int, checkpointing: bool, step_with_xm: bool) -> None:
     reference = train_on_cpu_backend(stage, STEPS, checkpointing)
@@ -74,10 +66,6 @@ def test_two_xla_replicas_train_like_one_cpu_process(stage: int, checkpointing: 
         assert (res["patched"], res["restored"]) == (stage >= 1, True)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "4 XLA:CPU replica threads on 2 cores: XLA:CPU ends the process when one reaches a collective more than a "
-    "fixed 10 s after another; measured: aborted in a replica-group all-gather in 1 of 1 run at load average "
-    "~14 on the shared machine (it was retried and then skipped before)"))
 def test_hybrid_sharding_on_four_xla_replicas_trains_like_one_cpu_process() -> None:
     """2 shard groups of 2 replicas (torch_xla replica groups): gathers and reduce-scatters within
     [0 1] and [2 3], the reduced shards averaged across [0 2] and [1 3]."""

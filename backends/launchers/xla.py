@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import thread_main
 from .base import Launcher, LaunchError, LaunchPlan, LaunchRequest, run_child
 from .parent_death import tie_to_parent
 from .preload import preload_imports
@@ -34,23 +35,33 @@ POOL_THREADS_PER_REPLICA = 8
 def cpu_replicas_env(world_size: int) -> dict[str, str]:
     """Environment for ``world_size`` XLA:CPU replicas, to test multi-replica code without a TPU.
 
-    torch_xla's launcher (``xmp.spawn``) then runs one thread per virtual CPU device in one
-    process, and every replica's graph executions and host-to-device transfers run on torch_xla's
-    one execution pool (``XLA_THREAD_POOL_SIZE``, by default the core count). A replica's step waits
-    in its first collective on a pool thread until every other replica's step reaches it; if the
-    pool's threads are all taken (that waiting step, and transfers queued behind a replica's
-    running step: MpDeviceLoader prefetches batches while the step runs), another replica's step
-    cannot start, and XLA:CPU ends the process after 10 seconds in that collective (``Termination
-    timeout for all gather``). Measured with ``xshard launch --nproc 2 examples/minimal.py`` at its
-    default size (64 steps an epoch) on 2 cores: a pool of 2 aborted in every run at the start of
-    the second epoch; a pool of 16 finished every run. So ``8 * world_size`` threads (at least the
-    core count): idle threads cost nothing. Set before torch_xla starts.
+    torch_xla's launcher (``xmp.spawn``) then runs one thread per virtual CPU device in one process.
+    XLA:CPU ends that process when a replica waits more than a fixed 10 s in a collective for
+    another (``Termination timeout for all gather``), so two settings keep the replicas' executions
+    from waiting on each other's bookkeeping:
+
+    - ``PJRT_CPU_ASYNC_CLIENT=0``: each graph runs on the torch_xla thread that launches it. With
+      the asynchronous client (torch_xla's default) a launch returns before its execution has run,
+      and torch_xla's lock on the device is released only when the launch's inputs are freed, which
+      waits for that execution. In the aborts, one replica's execution waited at its first
+      all-gather while the other replica's next graph was never launched: its thread waited for a
+      device lock (XLA's execution log and a thread dump of the stuck process). Measured with
+      ``xshard launch --nproc 2 examples/minimal.py`` at its default size on 2 cores: asynchronous,
+      about 4 runs in 10 aborted; synchronous, none in 17 (12 of them two jobs at once).
+    - ``XLA_THREAD_POOL_SIZE``: every replica's graph executions and host-to-device transfers run
+      on torch_xla's one pool (by default a thread per core), and a replica's execution holds its
+      thread while it waits in a collective. A pool of 2 aborted that example in every run at the
+      start of its second epoch, so ``8 * world_size`` threads (at least the core count): idle
+      threads cost nothing.
+
+    Set before torch_xla starts; a value the user exported is kept (``XLALauncher.plan``).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     return {
         "PJRT_DEVICE": "CPU",
         "CPU_NUM_DEVICES": str(world_size),
+        "PJRT_CPU_ASYNC_CLIENT": "0",
         "XLA_THREAD_POOL_SIZE": str(max(POOL_THREADS_PER_REPLICA * world_size, os.cpu_count() or 1)),
     }
 
@@ -86,10 +97,10 @@ class XLALauncher(Launcher):
                     "leave --nproc out, or use --devices to choose the chips"
                 )
         if on_cpu and nproc is not None and nproc > 1:
-            # every replica thread needs its own execution-pool thread (see cpu_replicas_env)
-            pool = cpu_replicas_env(nproc)["XLA_THREAD_POOL_SIZE"]
-            if "XLA_THREAD_POOL_SIZE" not in request.parent_env:
-                env["XLA_THREAD_POOL_SIZE"] = pool
+            # synchronous executions and a pool thread per replica's waiting step (see cpu_replicas_env)
+            for name in ("PJRT_CPU_ASYNC_CLIENT", "XLA_THREAD_POOL_SIZE"):
+                if name not in request.parent_env:
+                    env[name] = cpu_replicas_env(nproc)[name]
         return LaunchPlan(self, request.backend, nproc, env, list(request.command), list(request.script_args))
 
     def run(self, plan: LaunchPlan) -> int:
@@ -114,19 +125,28 @@ def run_script(index: int, command: Sequence[str], spawner_pid: int, failures: s
     """
     if os.getpid() != spawner_pid:
         tie_to_parent(spawner_pid)
+    # several replicas may be threads of this process (XLA:CPU): each runs the script in its own
+    # __main__ (thread_main); runpy would swap the one sys.modules["__main__"] under the others
+    threads = failures is not None
     try:
         if command[0] == "-m":
             spec = importlib.util.find_spec(command[1])
             if spec is not None and spec.origin and spec.origin.endswith(".py"):
                 preload_imports(Path(spec.origin))
             sys.argv = [command[1], *command[2:]]
-            runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+            if threads:
+                thread_main.run_module(command[1])
+            else:
+                runpy.run_module(command[1], run_name="__main__", alter_sys=True)
             return
         script = command[0]
         preload_imports(Path(script))
         sys.argv = list(command)
         sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` sets it
-        runpy.run_path(script, run_name="__main__")
+        if threads:
+            thread_main.run_path(script)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         if exc.code not in (None, 0):
             print(f"xshard launch: replica {index} exited with {exc.code!r}", file=sys.stderr, flush=True)

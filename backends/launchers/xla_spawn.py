@@ -60,15 +60,26 @@ def main(argv: list[str]) -> int:
             return failed[1]
         print(f"xshard launch: an xla replica process died ({exc})", file=sys.stderr)
         if os.environ.get("PJRT_DEVICE", "").strip().upper() == "CPU" and not one:
-            print("xshard launch: XLA:CPU's replicas are threads of that process, and XLA ends it when one waits "
-                  "more than a fixed 10 s in a collective for another (a 'Termination timeout' line above): a "
-                  "replica was held up, compiling a large graph or starved on a busy machine. XLA:CPU is a testing "
-                  "mode: retry on a quieter machine, use --nproc 1, or run the same script on the cpu backend "
-                  "(XSHARD_BACKEND=cpu)", file=sys.stderr)
+            print(f"xshard launch: {_abort_hint(os.environ.get('PJRT_CPU_ASYNC_CLIENT'))}", file=sys.stderr)
         return 1
     finally:
         os.unlink(failures)
     return 0
+
+
+def _abort_hint(async_client: str | None) -> str:
+    """Why XLA:CPU may have ended the replicas' process, and what to do (``async_client``: the
+    ``PJRT_CPU_ASYNC_CLIENT`` the replicas ran with; the launcher sets 0, see ``cpu_replicas_env``)."""
+    reason = ("XLA:CPU's replicas are threads of that process, and XLA ends it when one waits more than a fixed "
+              "10 s in a collective for another (a 'Termination timeout' line above)")
+    if (async_client or "1").strip().lower() not in ("0", "false"):  # torch_xla's default is asynchronous
+        return (f"{reason}. The replicas ran on torch_xla's asynchronous CPU client (PJRT_CPU_ASYNC_CLIENT="
+                f"{async_client or 'unset'}), where one replica's next graph can wait for a device lock while the "
+                "other waits in its collective: set PJRT_CPU_ASYNC_CLIENT=0, as `xshard launch` does unless it was "
+                "exported")
+    return (f"{reason}: a replica was held up, compiling a large graph or starved on a busy machine. XLA:CPU is a "
+            "testing mode: retry on a quieter machine, use --nproc 1, or run the same script on the cpu backend "
+            "(XSHARD_BACKEND=cpu)")
 
 
 if __name__ == "__main__":
