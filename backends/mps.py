@@ -58,7 +58,7 @@ class MPSBackend(Backend):
 
     @classmethod
     def default_env(cls) -> dict[str, str]:
-        return {FALLBACK_ENV: "1"}
+        return {FALLBACK_ENV: "1", **super().default_env()}
 
     def world_size_hint(self) -> str:
         return (

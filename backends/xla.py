@@ -183,6 +183,11 @@ class XLABackend(Backend):
         except importlib.metadata.PackageNotFoundError:
             return None
 
+    @classmethod
+    def default_env(cls) -> dict[str, str]:
+        """Nothing: transformers' and Accelerate's TPU code paths are this backend's (see ``Backend.default_env``)."""
+        return {}
+
     @staticmethod
     def runtime_device_type() -> str:
         """The PJRT device kind the runtime drives: "TPU", "CPU", "CUDA", ..."""

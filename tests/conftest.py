@@ -38,7 +38,7 @@ def clean_env(monkeypatch):
     for name in list(os.environ):
         if name.startswith("XSHARD_") or name.endswith("_VISIBLE_DEVICES") or name in (
             "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "PJRT_DEVICE", "PYTORCH_ENABLE_MPS_FALLBACK",
+            "PJRT_DEVICE", "PYTORCH_ENABLE_MPS_FALLBACK", "PJRT_CPU_ASYNC_CLIENT", "USE_TORCH_XLA",
         ):
             monkeypatch.delenv(name, raising=False)
     return monkeypatch

@@ -97,6 +97,26 @@ def test_nproc_on_xla_cpu_makes_that_many_virtual_devices(xla_selected, script) 
         plan_launch(LaunchOptions(script=script, nproc=2))
 
 
+def test_where_torch_xla_is_installed_other_backends_turn_transformers_tpu_paths_off(clean_env, script) -> None:
+    """transformers takes its TPU code paths whenever torch_xla imports (a cpu job's Trainer then logged rank
+    0's loss alone): the launcher sets USE_TORCH_XLA=0 for every backend but xla, unless it was exported."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    clean_env.setattr(importlib.util, "find_spec",
+                      lambda name, *a: object() if name == "torch_xla" else find_spec(name, *a))
+    clean_env.setenv("XSHARD_BACKEND", "cpu")
+    assert plan_launch(LaunchOptions(script=script, nproc=2)).env["USE_TORCH_XLA"] == "0"
+    clean_env.setenv("USE_TORCH_XLA", "1")
+    assert "USE_TORCH_XLA" not in plan_launch(LaunchOptions(script=script, nproc=2)).env
+    clean_env.delenv("USE_TORCH_XLA")
+    clean_env.setenv("PJRT_DEVICE", "CPU")
+    import xshard.cli.launch as launch
+
+    clean_env.setattr(launch, "select", lambda backend, env: Selection(XLABackend, "test"))
+    assert "USE_TORCH_XLA" not in plan_launch(LaunchOptions(script=script, nproc=2)).env
+
+
 def test_devices_only_torch_xla_can_count_are_left_to_it(xla_selected, script) -> None:
     xla_selected.setenv("PJRT_DEVICE", "CUDA")
     plan = plan_launch(LaunchOptions(script=script))

@@ -226,6 +226,26 @@ def test_bf16_where_the_device_cannot_is_fp32_with_one_warning(tmp_path, one_cpu
     assert config.mixed_precision == "no"
 
 
+def test_a_job_off_xla_where_torch_xla_is_installed_is_warned_of_transformers_tpu_paths(tmp_path, one_cpu_process):
+    """A plain torchrun of a Trainer script on the cpu backend, in an environment with torch_xla: transformers
+    takes its TPU paths (its logged loss would be rank 0's alone); one warning names USE_TORCH_XLA=0."""
+    import transformers.utils
+
+    from xshard.trainer.runtime import build_accelerator
+
+    args = _args(tmp_path)
+    for xla_importable in (False, True):
+        one_cpu_process.setattr(transformers.utils, "is_torch_xla_available",
+                                lambda *a, importable=xla_importable, **k: importable)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            accelerator = build_accelerator(args)
+        accelerator.end()
+        named = [m for m in _xshard_warnings(record) if "USE_TORCH_XLA=0" in m]
+        assert len(named) == int(xla_importable), named
+    assert "cpu backend" in named[0] and "rank 0's alone" in named[0]
+
+
 # ------------------------------------------------------------------------------------------ guide names
 
 def test_transformers4_names_of_the_guide(tmp_path):

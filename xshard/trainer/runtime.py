@@ -71,6 +71,7 @@ def build_accelerator(args: Any) -> TrainerAccelerator:
         config=config, seed=args.seed, timeout=float(args.ddp_timeout), dataloader_config=data,
         mixed_precision="no", gradient_accumulation_steps=1, gradient_clipping=0.0,
     )
+    _warn_of_tpu_code_paths(accelerator)
     if wanted != "no":
         if accelerator.supports(wanted):
             accelerator.mixed_precision = wanted
@@ -78,6 +79,19 @@ def build_accelerator(args: Any) -> TrainerAccelerator:
             warnings.warn(f"{wanted} was asked for, but the {accelerator.backend.name} backend cannot compute in it on "
                           f"{accelerator.device}: training in fp32 instead", XShardConfigWarning, stacklevel=3)
     return accelerator
+
+
+def _warn_of_tpu_code_paths(accelerator: Accelerator) -> None:
+    """One warning where transformers takes its TPU code paths (torch_xla importable) but the job runs on
+    another backend: ``xshard launch`` prevents it (``Backend.default_env``), a plain torchrun does not."""
+    from transformers.utils import is_torch_xla_available
+
+    if accelerator.backend.name != "xla" and is_torch_xla_available() and accelerator.is_main_process:
+        warnings.warn(
+            f"torch_xla is installed, so transformers takes its TPU code paths while xshard runs on the "
+            f"{accelerator.backend.name} backend: the logged loss would be rank 0's alone (xm.mesh_reduce gathers "
+            "nothing across these processes). Set USE_TORCH_XLA=0 before transformers is imported (xshard launch "
+            "does), or use an environment without torch_xla", XShardConfigWarning, stacklevel=3)
 
 
 def bind_arguments(args: Any, accelerator: Accelerator) -> None:
