@@ -261,3 +261,16 @@ def test_a_failing_replica_ends_its_process_with_its_exit_code_and_notes_it(tmp_
 
     assert failed_replica(str(failures)) == (1, code)
     assert failed_replica(str(tmp_path / "none")) is None
+
+
+def test_xla_cpus_abort_is_explained_by_the_client_the_replicas_ran_on() -> None:
+    """After XLA:CPU's 10 s abort the spawner says why: on torch_xla's asynchronous CPU client (its default, or
+    exported) the measured cause (see cpu_replicas_env) and the fix; on the synchronous one, a replica held up."""
+    from xshard.backends.launchers.xla_spawn import _abort_hint
+
+    for exported in (None, "1", "true"):
+        hint = _abort_hint(exported)
+        assert "asynchronous CPU client" in hint and "set PJRT_CPU_ASYNC_CLIENT=0" in hint, hint
+    for exported in ("0", "false"):
+        hint = _abort_hint(exported)
+        assert "PJRT_CPU_ASYNC_CLIENT" not in hint and "held up" in hint and "--nproc 1" in hint, hint
