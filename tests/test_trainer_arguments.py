@@ -234,9 +234,12 @@ def test_a_job_off_xla_where_torch_xla_is_installed_is_warned_of_transformers_tp
     from xshard.trainer.runtime import build_accelerator
 
     args = _args(tmp_path)
-    for xla_importable in (False, True):
+    find_spec = importlib.util.find_spec
+    for xla_importable in (False, True):  # as transformers and the backend (Backend.default_env) see it
         one_cpu_process.setattr(transformers.utils, "is_torch_xla_available",
                                 lambda *a, importable=xla_importable, **k: importable)
+        one_cpu_process.setattr(importlib.util, "find_spec", lambda name, *a, importable=xla_importable: (
+            (object() if importable else None) if name == "torch_xla" else find_spec(name, *a)))
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             accelerator = build_accelerator(args)

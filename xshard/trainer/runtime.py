@@ -86,7 +86,9 @@ def _warn_of_tpu_code_paths(accelerator: Accelerator) -> None:
     another backend: ``xshard launch`` prevents it (``Backend.default_env``), a plain torchrun does not."""
     from transformers.utils import is_torch_xla_available
 
-    if accelerator.backend.name != "xla" and is_torch_xla_available() and accelerator.is_main_process:
+    # the backend says whether transformers' TPU paths should be off (Backend.default_env: all but xla's)
+    wants_off = accelerator.backend.default_env().get("USE_TORCH_XLA") == "0"
+    if wants_off and is_torch_xla_available() and accelerator.is_main_process:
         warnings.warn(
             f"torch_xla is installed, so transformers takes its TPU code paths while xshard runs on the "
             f"{accelerator.backend.name} backend: the logged loss would be rank 0's alone (xm.mesh_reduce gathers "
