@@ -104,11 +104,12 @@ class Backend(DeviceAPI, CommunicationAPI):
         """Variables this backend wants in a process's environment unless the user set them
         (the launcher puts them into the environment of the processes it starts).
 
-        By default ``USE_TORCH_XLA=0`` where torch_xla is installed (the xla backend sets nothing). transformers (and
-        Accelerate) take their TPU code paths whenever torch_xla can be imported, whatever device the
-        job runs on: the Trainer's ``parallel_mode`` is TPU and its logged loss is "gathered" with
-        ``xm.mesh_reduce``, which on processes of another backend gathers nothing (rank 0's loss alone).
-        The variable is read when transformers is imported, so only a launcher can set it in time.
+        By default ``USE_TORCH_XLA=0`` where torch_xla is installed (the xla backend sets nothing).
+        transformers (and Accelerate) take their TPU code paths whenever torch_xla can be imported,
+        whatever device the job runs on: the Trainer's ``parallel_mode`` is TPU and its logged loss is
+        "gathered" with ``xm.mesh_reduce``, which on processes of another backend gathers nothing
+        (rank 0's loss alone). The variable is read when transformers is imported, so only a launcher
+        can set it in time.
         """
         if importlib.util.find_spec("torch_xla") is not None:
             return {"USE_TORCH_XLA": "0"}

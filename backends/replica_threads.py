@@ -48,7 +48,6 @@ def align(world_size: int) -> None:
                             "failed, or cut a graph alone); they no longer wait for each other there", TIMEOUT_S)
 
 
-
 _exchange_lock = threading.Lock()
 _exchange_barrier: threading.Barrier | None = None
 _slots: dict[int, bytes] = {}
