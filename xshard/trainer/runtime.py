@@ -92,9 +92,8 @@ def _warn_of_tpu_code_paths(accelerator: Accelerator) -> None:
         warnings.warn(
             f"torch_xla is installed, so transformers takes its TPU code paths while xshard runs on the "
             f"{accelerator.backend.name} backend: the logged loss would be rank 0's alone (xm.mesh_reduce gathers "
-            "nothing across these processes), and the run would not be the one the same script makes without "
-            "torch_xla. Set USE_TORCH_XLA=0 before transformers is imported (xshard launch does), or use an "
-            "environment without torch_xla", XShardConfigWarning, stacklevel=3)
+            "nothing across these processes). Set USE_TORCH_XLA=0 before transformers is imported (xshard launch "
+            "does), or use an environment without torch_xla", XShardConfigWarning, stacklevel=3)
 
 
 def bind_arguments(args: Any, accelerator: Accelerator) -> None:
