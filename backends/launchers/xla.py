@@ -98,9 +98,9 @@ class XLALauncher(Launcher):
                 )
         if on_cpu and nproc is not None and nproc > 1:
             # synchronous executions and a pool thread per replica's waiting step (see cpu_replicas_env)
-            for name in ("PJRT_CPU_ASYNC_CLIENT", "XLA_THREAD_POOL_SIZE"):
-                if name not in request.parent_env:
-                    env[name] = cpu_replicas_env(nproc)[name]
+            defaults = cpu_replicas_env(nproc)
+            env.update({name: defaults[name] for name in ("PJRT_CPU_ASYNC_CLIENT", "XLA_THREAD_POOL_SIZE")
+                        if name not in request.parent_env})
         return LaunchPlan(self, request.backend, nproc, env, list(request.command), list(request.script_args))
 
     def run(self, plan: LaunchPlan) -> int:
