@@ -3,7 +3,8 @@
 Every implementation is checked: the gloo options of the CPU backend (per tensor, in place:
 broadcast into the outputs; one reduce per rank, an all-reduce, or a point-to-point exchange of the
 inputs) and the default one
-(pack into one buffer, one collective, unpack) that NCCL, HCCL and XLA use. Sizes are uneven and dtypes mixed; bytes and
+(pack into one buffer, one collective, unpack) that NCCL, HCCL and XLA use, and the gloo options' mix of
+both (small tensors packed, large ones in place). Sizes are uneven and dtypes mixed; bytes and
 calls follow the ZeRO-paper convention with one call per list.
 """
 
@@ -15,8 +16,10 @@ from support.distributed import run_workers
 
 pytestmark = pytest.mark.multiprocess
 
-SIZES = (3, 1, 5)  # elements per rank of each tensor
-DTYPES = (torch.float32, torch.bfloat16, torch.float32)
+# elements per rank of each tensor: the third's piece is above PACK_BELOW_BYTES (moved on its own by the
+# gloo options), the others below it (packed together, mixed dtypes)
+SIZES = (3, 1, 20_000, 5)
+DTYPES = (torch.float32, torch.bfloat16, torch.float32, torch.float32)
 
 
 def _shard(i: int, rank: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from support.vendor_sources import WheelSources, npu_wheel_path, tpu_wheel_path
 from xshard.backends import World, backend_class
 from xshard.backends import collectives as collectives_module
-from xshard.backends.collectives import DistCollectives
+from xshard.backends.collectives import PACK_BELOW_BYTES, DistCollectives
 
 pytest_plugins = ("support.fakes.fixtures",)  # fixtures: fake_npu, make_fake_tpu
 
@@ -191,16 +191,18 @@ def test_each_collective_s_buffer_has_the_dtype_it_moves(name, recorded, request
                                      [torch.ones(2, dtype=dtype), torch.ones(1, dtype=dtype)])
         coll.broadcast(torch.ones(3, dtype=dtype))
         assert {d for _, _, d in recorded} == {dtype}, (name, dtype, recorded)
-    # fp32 norms beside bf16 weights in one unit: one packed buffer of bytes, or (gloo's broadcasts straight
-    # into each output) every tensor in its own dtype
+    # fp32 norms beside bf16 weights in one unit: one packed buffer of bytes (gloo's broadcasts: one per rank)
     recorded.clear()
     coll.all_gather_into_tensors([torch.empty(2 * WORLD), torch.empty(2 * WORLD, dtype=torch.bfloat16)],
                                  [torch.ones(2), torch.ones(2, dtype=torch.bfloat16)])
-    own = [d for _, _, d in recorded]
+    assert [d for _, _, d in recorded] == [torch.uint8] * (WORLD if coll.all_gather_via_broadcast else 1)
+    # large fp32 and bf16 tensors: gloo's broadcasts go straight into each output, in its own dtype
     if coll.all_gather_via_broadcast:
-        assert own == [torch.float32] * WORLD + [torch.bfloat16] * WORLD
-    else:
-        assert own == [torch.uint8]
+        recorded.clear()
+        n = PACK_BELOW_BYTES  # elements per rank: above the packing size in either dtype
+        coll.all_gather_into_tensors([torch.empty(n * WORLD), torch.empty(n * WORLD, dtype=torch.bfloat16)],
+                                     [torch.ones(n), torch.ones(n, dtype=torch.bfloat16)])
+        assert [d for _, _, d in recorded] == [torch.float32] * WORLD + [torch.bfloat16] * WORLD
 
 
 # ---------------------------------------------------------------- the grad scaler each backend hands out
