@@ -516,10 +516,11 @@ class Collectives:
 
 
 #: a list form's tensors whose piece per rank is smaller than this travel packed into one operation
-#: (``DistCollectives`` with the gloo options, which otherwise work on each tensor in place): on gloo
-#: every operation costs a round trip of about 0.1 ms, the copy in and out of a 64 KiB piece a few
-#: microseconds. A transformer layer's biases and norms are such pieces: of a Qwen2 layer's 12
-#: parameters, 5, so a stage-3 unit's gather on 2 ranks issues 16 broadcasts instead of 24.
+#: (``DistCollectives`` with the gloo options, which otherwise work on each tensor in place): what a
+#: small tensor costs on gloo is its operation (queued to gloo's threads, a message each way), not its
+#: bytes, and copying a few small pieces in and out of one buffer is cheap beside that. A transformer
+#: layer's biases and norms are such pieces: of a Qwen2 layer's 12 parameters, 5, so a stage-3 unit's
+#: gather on 2 ranks issues 16 broadcasts instead of 24 (benchmarks/RESULTS.md, "By model size").
 PACK_BELOW_BYTES = 64 * 2**10
 
 
