@@ -58,12 +58,19 @@ def test_minimal_example_learns_the_same_on_one_xla_device_as_on_cpu() -> None:
         assert abs(a - b) <= 1e-3, (on_xla, on_cpu)
 
 
+def _env_the_launcher_decides() -> dict[str, str]:
+    """This process's environment without the variables `xshard launch` sets for its replicas unless exported
+    (``cpu_replicas_env``, ``Backend.default_env``), so the launcher's own choices are what runs."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ("CPU_NUM_DEVICES", "XLA_THREAD_POOL_SIZE", "PJRT_CPU_ASYNC_CLIENT", "USE_TORCH_XLA")}
+
+
 def test_the_readmes_two_device_command_learns_as_two_cpu_processes_do() -> None:
     """`XSHARD_BACKEND=xla PJRT_DEVICE=CPU xshard launch --nproc 2 examples/minimal.py`, as the README
     gives it (2048 samples, 4 epochs: 256 steps a replica), once, with no retry; then the same command on
     two CPU processes, whose losses it must follow."""
     pytest.importorskip("torch_xla")
-    env = {k: v for k, v in os.environ.items() if k not in ("CPU_NUM_DEVICES", "XLA_THREAD_POOL_SIZE", "PJRT_CPU_ASYNC_CLIENT")}
+    env = _env_the_launcher_decides()
     cmd = [sys.executable, "-m", "xshard", "launch", "--nproc", "2", "examples/minimal.py"]
     proc = subprocess.run(cmd, env={**env, **XLA_ENV}, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -161,8 +168,7 @@ def _qwen_trainer_losses(out: Path, nproc_env: dict[str, str]) -> list[float]:
            "ds_config_zero3.json", "--output_dir", str(out), "--max_steps", "20", "--per_device_train_batch_size", "4",
            "--model_max_length", "256", "--learning_rate", "3e-3", "--warmup_ratio", "0.03", "--lr_scheduler_type",
            "cosine", "--seed", "1234", "--logging_steps", "10", "--save_strategy", "no"]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("CPU_NUM_DEVICES", "XLA_THREAD_POOL_SIZE", "PJRT_CPU_ASYNC_CLIENT", "USE_TORCH_XLA")}
+    env = _env_the_launcher_decides()
     proc = subprocess.run(cmd, env={**env, **nproc_env}, cwd=ROOT / "examples" / "qwen_finetune", capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
