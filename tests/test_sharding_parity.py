@@ -2,8 +2,10 @@
 
 Every case trains TinyLM (dims 10/14/23: nothing divides by the world size, so shards are padded;
 LM head tied to the embedding; AdamW with no decay on norms and biases) or a tiny Qwen2ForCausalLM,
-and compares the rank-averaged losses and the final full parameters with a single-process run.
-fp32 cases: atol 1e-5. Low-precision cases: see ``test_mixed_precision_matches``.
+and compares the rank-averaged losses, every step's per-parameter gradient norms (before clipping) and
+the final full parameters with a single-process run. fp32 cases: atol 1e-5. Low-precision cases: see
+``test_mixed_precision_matches``. ``test_a_wrong_gradient_scale_fails_the_comparison`` keeps the
+comparison honest: the reference with its gradients 2x or 0.5x must not match.
 CPU offload and activation checkpointing have files of their own (``test_offload.py``,
 ``test_activation_checkpointing.py``); their 2-rank cases run in the same job as this file's
 (``support/parity_world.py``).
@@ -14,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.parity_world import check_group, run_shared
-from support.sharding_harness import case
+from support.sharding_harness import assert_same_gradients, case, reference
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,6 +31,9 @@ GROUPS: dict[str, list[dict]] = {
         *[case(stage=s) for s in (0, 1, 2, 3)],
         case(stage=3, opt_before=True),  # optimizer built before shard_model: same result
         case(stage=2, opt_before=True, groups=False),
+        # accumulation without clipping, and SGD (no Adam to cancel a scale), on every world size
+        *[case(stage=s, micro=2) for s in (0, 1, 3)],
+        case(stage=3, optimizer="sgd"), case(stage=0, optimizer="sgd", micro=2),
     ],
     "features": [
         # frozen parameters inside trained units, and a fully frozen first unit (no grad-requiring output)
@@ -125,3 +130,14 @@ def test_bytes_per_step_2_ranks(world2) -> None:
     for s in (s1, s2):
         assert s == [{"all_gather": psi, "reduce_scatter": rs}] * 3  # 2 psi (+ flags)
     assert s3 == [{"all_gather": 2 * psi - psi_root, "reduce_scatter": rs}] * 3  # 3 psi - psi_root (+ flags)
+
+
+@pytest.mark.parametrize("scale", [2.0, 0.5])
+def test_a_wrong_gradient_scale_fails_the_comparison(world2, scale) -> None:
+    """The mutation a SUM in place of an AVG (2x on 2 ranks) or a divide done twice (0.5x) makes: every
+    case of the "stages" group, compared with a reference whose gradients are scaled, must fail the
+    gradient comparison, AdamW and accumulation included (AdamW alone trains to nearly the same losses
+    and weights at any uniform scale, which is why the gradients are compared)."""
+    for c, per_rank in zip(GROUPS["stages"], world2["stages"], strict=True):
+        with pytest.raises(AssertionError, match="gradient norm"):
+            assert_same_gradients(per_rank, reference(c, grad_scale=scale), atol=FP32_ATOL, label=f"x{scale} {c}")
