@@ -359,7 +359,7 @@ class Accelerator:
         for obj in out:
             if isinstance(obj, PreparedOptimizer) and self.job.models:
                 _warn_outside_models(obj.optimizer, self.job.models)
-        auto_resume.resume_if_restarted(self.job, self.project_dir)  # xshard launch --max_restarts
+        self._resume_if_restarted()
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
@@ -899,7 +899,15 @@ class Accelerator:
             raise ValueError(f"register_for_checkpointing: every object needs state_dict() and load_state_dict(); "
                              f"these do not: {names}")
         self.job.custom_objects.extend(objects)
-        auto_resume.resume_if_restarted(self.job, self.project_dir)
+        self._resume_if_restarted()
+
+    def _resume_if_restarted(self) -> None:
+        """A job restarted by ``xshard launch --max_restarts`` loads its newest checkpoint once everything
+        it holds is prepared (``xshard.checkpoint.auto_resume``); an automatic checkpoint's numbering then
+        goes on after the one loaded, as ``load_state()`` continues it."""
+        loaded = auto_resume.resume_if_restarted(self.job, self.project_dir)
+        if loaded is not None:
+            project.continue_after(self.project_configuration, loaded)
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """The loader from batch ``num_batches`` of its current epoch on (``xshard.data``): after
