@@ -7,13 +7,13 @@ prepared, and the job's final weights equal those of a run that was never interr
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from support.restarts import run_job
 
 from xshard.checkpoint.auto_resume import record, restart_checkpoint
 
@@ -25,11 +25,7 @@ SCRIPT = Path(__file__).resolve().parent / "support" / "restart_train.py"
 def _run(out: Path, command: list[str], extra_env: dict[str, str] | None = None,
          kill_at: int | None = 7) -> subprocess.CompletedProcess:
     """``command`` on the script; rank 1 of the first attempt kills itself after step ``kill_at``."""
-    out.mkdir()
-    env = {**os.environ, "XSHARD_BACKEND": "cpu", **(extra_env or {})}
-    env.pop("TORCHELASTIC_RESTART_COUNT", None)
-    return subprocess.run([*command, str(SCRIPT), str(out)] + ([str(kill_at)] if kill_at else []),
-                          env=env, capture_output=True, text=True, timeout=400)
+    return run_job(SCRIPT, out, command, extra_env, kill_at)
 
 
 @pytest.fixture(scope="module")

@@ -84,6 +84,14 @@ def _load_config(source: ConfigSource, overrides: dict[str, Any], script_args: d
     return XShardConfig.load(source, overrides=overrides or None, env=os.environ, script_args=script_args)
 
 
+#: why a ds_config's optimizer/scheduler "auto" values have no source under an Accelerate script, and the fix
+_NO_SCRIPT_OPTIMIZER_VALUES = (
+    "An Accelerate script builds and prepares its own optimizer and scheduler, which is what trains: remove the "
+    "ds_config's \"optimizer\" and \"scheduler\" blocks (Accelerate refuses them beside the script's own too, "
+    "unless it gets a DummyOptim/DummyScheduler)."
+)
+
+
 def _read_config_source(config: Any, compat: AccelerateSettings) -> ConfigSource:
     """The job's config source, read once: ``config``, else a DeepSpeedPlugin's ``hf_ds_config`` (a
     ds_config by the user's word, never told from its keys)."""
@@ -359,7 +367,7 @@ class Accelerator:
         for obj in out:
             if isinstance(obj, PreparedOptimizer) and self.job.models:
                 _warn_outside_models(obj.optimizer, self.job.models)
-        auto_resume.resume_if_restarted(self.job, self.project_dir)  # xshard launch --max_restarts
+        self._resume_if_restarted()
         return out[0] if len(out) == 1 else tuple(out)
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None,
@@ -567,9 +575,9 @@ class Accelerator:
         and clipping from the Accelerator's arguments (clipping 1.0 unless a DeepSpeedPlugin or
         ``ACCELERATE_GRADIENT_CLIPPING`` says otherwise), bf16/fp16 from ``mixed_precision``, the
         micro-batch from the first prepared data loader (``_fill_auto_batch``)."""
-        from .config.auto import LATER
+        from .config.auto import LATER, ScriptValues
 
-        values = dict(compat.script_args)
+        values = ScriptValues(compat.script_args, missing_fix=_NO_SCRIPT_OPTIMIZER_VALUES)
         # an unknown spelling is the config's error to report (it reads the same value): neither here
         precision = MIXED_PRECISION.get(str(compat.overrides.get("mixed_precision", "no")).strip().lower())
         values.setdefault("bf16", precision == "bf16")
@@ -899,7 +907,15 @@ class Accelerator:
             raise ValueError(f"register_for_checkpointing: every object needs state_dict() and load_state_dict(); "
                              f"these do not: {names}")
         self.job.custom_objects.extend(objects)
-        auto_resume.resume_if_restarted(self.job, self.project_dir)
+        self._resume_if_restarted()
+
+    def _resume_if_restarted(self) -> None:
+        """A job restarted by ``xshard launch --max_restarts`` loads its newest checkpoint once everything
+        it holds is prepared (``xshard.checkpoint.auto_resume``); an automatic checkpoint's numbering then
+        goes on after the one loaded, as ``load_state()`` continues it."""
+        loaded = auto_resume.resume_if_restarted(self.job, self.project_dir)
+        if loaded is not None:
+            project.continue_after(self.project_configuration, loaded)
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
         """The loader from batch ``num_batches`` of its current epoch on (``xshard.data``): after

@@ -11,12 +11,11 @@ fresh pass over the loader, in an uninterrupted run and a resumed one alike.
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 from pathlib import Path
 
 import torch
+from restarts import lose_rank
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -35,7 +34,6 @@ def main(out: Path, kill_at: int | None) -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
     loader = DataLoader(TensorDataset(x, x.sum(-1).sin()), batch_size=GLOBAL_BATCH // acc.world_size, shuffle=True)
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     while acc.step < TOTAL_STEPS:
         while True:
             for xb, yb in loader:
@@ -43,8 +41,7 @@ def main(out: Path, kill_at: int | None) -> None:
                 opt.step()
                 sched.step()
                 opt.zero_grad()
-                if kill_at == acc.step and first_attempt and acc.process_index == 1:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                lose_rank(acc, kill_at)
                 if acc.step % SAVE_EVERY == 0:
                     break
             if acc.step % SAVE_EVERY == 0:

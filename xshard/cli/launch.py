@@ -186,9 +186,12 @@ def _with_config_defaults(opts: LaunchOptions, env: Mapping[str, str]) -> Launch
     launch_keys: dict[str, Any] = {}
     if opts.config is not None and Path(opts.config).is_file():
         from xshard.config import XShardConfig, read_source
+        from xshard.config.script_argv import launch_script_args
 
         source = read_source(opts.config, env)  # read once: the config, and whether it is accelerate's
-        config = XShardConfig.load(source, env=env, script_args=opts.script_args)
+        # a ds_config's "auto" values: from the script's command line where it spells them out; the rest
+        # are filled by the script's process (the Trainer from its arguments, the Accelerator as Accelerate)
+        config = XShardConfig.load(source, env=env, script_args=launch_script_args(opts.script_args))
         if backend is None and config.backend != "auto":
             backend = config.backend
         config_nproc = config.devices

@@ -27,8 +27,9 @@ Any other ``"auto"`` is left for the reader: on a key xshard ignores it means "l
 choose" (and xshard does); on a key xshard maps it is invalid.
 
 A script argument whose value is ``LATER`` is known only at run time (the Accelerator gives the
-micro-batch this way: it is the batch size of the data loader it prepares): its ``"auto"`` keys
-are left out of the result, and filled when the value is known.
+micro-batch this way: it is the batch size of the data loader it prepares; ``xshard launch`` gives
+every setting its script's command line does not spell out, ``xshard.config.script_argv``): its
+``"auto"`` keys are left out of the result, and filled when the value is known.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class _Missing(Exception):
     pass
 
 
+class _Deferred(Exception):
+    """The setting is ``LATER``: every ``"auto"`` computed from it is left for run time."""
+
+
 class _Later:
     def __repr__(self) -> str:
         return "LATER"
@@ -52,6 +57,15 @@ class _Later:
 
 #: a script argument's value that is known only at run time (see the module docstring)
 LATER: Any = _Later()
+
+
+class ScriptValues(dict):
+    """``script_args`` as a dict, with the remedy an error names for the ``"auto"`` values it cannot give."""
+
+    def __init__(self, values: Mapping[str, Any], missing_fix: str | None = None) -> None:
+        super().__init__(values)
+        #: one sentence: how to do without the settings these values lack
+        self.missing_fix = missing_fix
 
 
 class ScriptArgs:
@@ -71,10 +85,19 @@ class ScriptArgs:
             value = getattr(self._args, name, None)
         if value is None:
             raise _Missing(name)
+        if value is LATER:
+            raise _Deferred(name)
         return value
 
     def world_size(self) -> int | None:
-        """The number of processes: the script's ``world_size``, else torchrun's WORLD_SIZE."""
+        """The number of processes: the script's ``world_size``, else torchrun's WORLD_SIZE (None
+        when neither is known, or when the script's is known only at run time)."""
+        try:
+            self.get("world_size")
+        except _Deferred:
+            return None
+        except _Missing:
+            pass
         for read in (lambda: self.get("world_size"), lambda: self._env["WORLD_SIZE"]):
             try:
                 world = int(read())
@@ -166,7 +189,9 @@ def resolve_auto(data: Mapping[str, Any], script_args: Any = None,
                  env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """A copy of ``data`` with every resolvable ``"auto"`` replaced by the script's value.
 
-    Raises XShardConfigError listing every ``"auto"`` that needs a setting the script did not give.
+    Raises XShardConfigError listing every ``"auto"`` that needs a setting the script did not give,
+    with the remedy ``ScriptValues.missing_fix`` names (by default: pass ``script_args``, or write the
+    values into the file).
     """
     out = copy.deepcopy(dict(data))
     args = ScriptArgs(script_args, env or {})
@@ -181,6 +206,8 @@ def resolve_auto(data: Mapping[str, Any], script_args: Any = None,
                 del slot[key]
             else:
                 slot[key] = value
+        except _Deferred:
+            del slot[key]
         except _Missing:
             missing.append(f"{path} <- {provider}")
         except (TypeError, ValueError, OverflowError) as exc:
@@ -190,7 +217,7 @@ def resolve_auto(data: Mapping[str, Any], script_args: Any = None,
     if missing:
         raise XShardConfigError(
             f"these 'auto' values need the training script's settings: {'; '.join(missing)}. "
-            "Pass script_args (a dict, an argparse.Namespace or transformers.TrainingArguments) to "
-            "XShardConfig.load() or xshard.Accelerator(), or write the values into the file."
+            + (getattr(script_args, "missing_fix", None) or "Pass script_args (a dict, an argparse.Namespace or transformers.TrainingArguments) to "
+                      "XShardConfig.load(), or write the values into the file.")
         )
     return out

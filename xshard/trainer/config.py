@@ -13,7 +13,9 @@ turned into the ``XShardConfig`` its run uses, with the Trainer's meaning of eac
   ``min_num_params`` > 0; ``xla: true`` selects the xla backend, ``xla_fsdp_grad_ckpt`` activation
   checkpointing per unit.
 - Without either the job runs the config from ``--config``/``XSHARD_*`` of the launcher (stage 3 by
-  default), with the arguments' precision, accumulation and clipping.
+  default), with the arguments' precision, accumulation and clipping. A ds_config given that way
+  (``xshard launch --config ds_config.json``) is read as ``--deepspeed`` reads it, "auto" values and
+  checks included, as the Trainer treats the ds_config of ``accelerate launch --config_file``.
 
 A DeepSpeed ``optimizer`` block: the Trainer on xshard builds its AdamW from the arguments, which the
 block's values must agree with (checked above), so the block describes the same optimizer. Two cases
@@ -66,8 +68,10 @@ def sharding_config(args: Any, env: Mapping[str, str] | None = None) -> XShardCo
     if cached is not None and cached[0] == key:
         return XShardConfig.load(cached[1], env={})  # a copy: no second warning
     _refuse(args)
-    deepspeed = _deepspeed_source(args)
     words = _fsdp_words(args)
+    deepspeed = _deepspeed_source(args)
+    if deepspeed is None and words is None:
+        deepspeed = _launch_deepspeed(env)
     if deepspeed is not None and words is not None:
         raise XShardConfigError("--deepspeed and --fsdp both configure the sharding: give only one of them "
                                 "(a ds_config.json, or the FSDP words with --fsdp_config)")
@@ -115,6 +119,15 @@ def _deepspeed_source(args: Any) -> dict[str, Any] | str | None:
                                     "ds_config.json (or a dict)")
         return os.fspath(value)
     raise XShardConfigError(f"--deepspeed: {value!r} is not valid; expected the path of a ds_config.json or a dict")
+
+
+def _launch_deepspeed(env: Mapping[str, str]) -> str | None:
+    """The launcher's ``--config`` (``XSHARD_CONFIG``) when it is a ds_config: the Trainer fills its "auto"
+    values from its arguments, as under ``accelerate launch`` with a DeepSpeed config (None otherwise)."""
+    path = env.get("XSHARD_CONFIG")
+    if not path or not Path(path).is_file():
+        return None  # the config reader names a missing file
+    return path if read_source(path, env).kind is ConfigKind.DEEPSPEED else None
 
 
 def _fsdp_words(args: Any) -> list[str] | None:
