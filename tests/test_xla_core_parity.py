@@ -1,8 +1,9 @@
 """The sharded core on real torch_xla matches the CPU backend and torch_xla's own FSDP.
 
 - 2 XLA:CPU replicas (torch_xla's launcher, see ``xla_replicas``) at stages 0 and 3 train like one
-  CPU process on the full batch: losses and full parameters after K steps; so do 4 replicas with
-  hybrid sharding (2 shard groups of 2, torch_xla's replica groups).
+  CPU process on the full batch: losses, every step's gradient norms (a wrong average moves them,
+  not AdamW's losses) and full parameters after K steps; so do 4 replicas with hybrid sharding (2
+  shard groups of 2, torch_xla's replica groups).
 - One XLA device: the core at stage 3 matches XlaFullyShardedDataParallel with its transformer
   auto-wrap policy, with and without ``checkpoint_module`` (xla_fsdp_grad_ckpt).
 """
@@ -41,6 +42,20 @@ def run_two_replicas(*args):
     return run_replicas(train_core_on_xla, 2, *args, timeout=240)
 
 
+def assert_same_gradients(group: list[dict], reference: dict, replicated: bool) -> None:
+    """Each step's per-parameter gradient norm, from one shard group's replicas (their rows' squares
+    added; ``replicated``: stage 0, where every replica holds the whole gradient), equals the
+    reference's within 1e-4 relative (fp32 sums in another order)."""
+    assert len(group[0]["grads"]) == len(reference["grads"])
+    for step, theirs in enumerate(reference["grads"]):
+        for res in group:
+            assert set(res["grads"][step]) == set(theirs), step
+        for name, b in theirs.items():
+            a = group[0]["grads"][step][name] if replicated else sum(r["grads"][step][name] for r in group)
+            assert abs(a ** 0.5 - b ** 0.5) <= 1e-6 + 1e-4 * b ** 0.5, (
+                f"step {step}: gradient norm of {name} {a ** 0.5} vs reference {b ** 0.5}")
+
+
 def assert_same_state(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
     assert set(state) <= set(reference) and len(state) >= len(reference) - 1  # the tied head may be folded
     for name, value in state.items():
@@ -55,6 +70,7 @@ def test_two_xla_replicas_train_like_one_cpu_process(stage: int, checkpointing: 
     results = run_two_replicas(stage, STEPS, checkpointing, step_with_xm)
     mean_losses = torch.tensor([r["losses"] for r in results]).mean(0)
     torch.testing.assert_close(mean_losses, torch.tensor(reference["losses"]), atol=ATOL, rtol=0)
+    assert_same_gradients(results, reference, replicated=stage == 0)
     assert_same_state(assemble_shards(results, reference["state"]), reference["state"])
     for res in results:
         assert res["params_kept"]  # the optimizer built before sharding stepped the user's Parameters
@@ -73,6 +89,8 @@ def test_hybrid_sharding_on_four_xla_replicas_trains_like_one_cpu_process() -> N
     results = run_replicas(train_core_on_xla, 4, 3, STEPS, False, False, {"shard_group_size": 2}, timeout=420)
     mean_losses = torch.tensor([r["losses"] for r in results]).mean(0)
     torch.testing.assert_close(mean_losses, torch.tensor(reference["losses"]), atol=ATOL, rtol=0)
+    assert_same_gradients(results[:2], reference, replicated=False)
+    assert_same_gradients(results[2:], reference, replicated=False)
     assert_same_state(assemble_shards(results[:2], reference["state"]), reference["state"])
     for twin, res in zip(results[:2], results[2:], strict=True):  # the second replica holds the same rows
         assert all(torch.equal(res["shards"][k], v) for k, v in twin["shards"].items())

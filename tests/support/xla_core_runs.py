@@ -3,8 +3,10 @@ model on the CPU backend, and torch_xla's own XlaFullyShardedDataParallel.
 
 Every run trains ``TinyLM`` (tied head, a 0-dim parameter, sizes that need padding) with AdamW for
 ``steps`` steps on the global batches of ``models.batch``; a replica trains on its slice of each
-batch, so the mean of the replicas' losses is the full-batch loss. Runs return per-step losses
-and the full state dict on the CPU (rank 0), plus XLA facts (compile counts, collectives).
+batch, so the mean of the replicas' losses is the full-batch loss. Runs return per-step losses, each
+step's gradient squares (``gradient_squares``: what a wrong average changes while AdamW's losses and
+weights hardly move) and the full state dict on the CPU (rank 0), plus XLA facts (compile counts,
+collectives).
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ def local_batch(step: int, rank: int, world_size: int, device: torch.device | st
     return ids.chunk(world_size)[rank].to(device), labels.chunk(world_size)[rank].to(device)
 
 
+def gradient_squares(module: torch.nn.Module) -> dict[str, float]:
+    """Each parameter's sum of squared gradient elements held by this process (its rows at stages
+    1-3), read on the CPU after backward: the replicas' squares of one shard group add up to the
+    whole gradient's."""
+    return {name: p.grad.detach().cpu().double().pow(2).sum().item()
+            for name, p in module.named_parameters() if p.grad is not None}
+
+
 def train_on_cpu_backend(stage: int, steps: int, checkpointing: bool = False) -> dict[str, Any]:
     """The reference: the core on the CPU backend, one process, full batches."""
     from xshard.backends import get_backend
@@ -59,16 +69,17 @@ def train_on_cpu_backend(stage: int, steps: int, checkpointing: bool = False) ->
     backend.init_process_group()
     model = shard_model(build_tiny(), backend, ShardingOptions(stage=stage, activation_checkpointing=checkpointing))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
+    losses, grads = [], []
     for step in range(steps):
         loss = model(*local_batch(step, 0, 1, "cpu"))
         loss.backward()
+        grads.append(gradient_squares(model.module))
         backend.optimizer_step(opt)
         opt.zero_grad()
         losses.append(loss.item())
     state = model.full_state_dict()
     model.close()
-    return {"losses": losses, "state": state}
+    return {"losses": losses, "grads": grads, "state": state}
 
 
 def train_core_on_xla(rank: int, world_size: int, stage: int, steps: int, checkpointing: bool = False,
@@ -96,11 +107,12 @@ def train_core_on_xla(rank: int, world_size: int, stage: int, steps: int, checkp
     model = shard_model(model, backend, ShardingOptions(stage=stage, activation_checkpointing=checkpointing,
                                                         **(options or {})))
     patched = xm.optimizer_step is not original_step
-    losses, compiles, up_calls = [], [], []
+    losses, compiles, up_calls, grads = [], [], [], []
     for step in range(steps):
         model.module.up_calls = 0
         loss = model(*local_batch(step, rank, world_size, device))
         loss.backward()
+        grads.append(gradient_squares(model.module))
         if step_with_xm:
             xm.optimizer_step(opt)
         else:
@@ -121,7 +133,7 @@ def train_core_on_xla(rank: int, world_size: int, stage: int, steps: int, checkp
     model.close()
     backend.collectives.barrier()  # every replica has closed its model: the patch is released
     return {
-        "losses": [loss.item() for loss in losses], "shards": shards, "compiles": compiles, "up_calls": up_calls,
+        "losses": [loss.item() for loss in losses], "grads": grads, "shards": shards, "compiles": compiles, "up_calls": up_calls,
         "patched": patched, "restored": xm.optimizer_step is original_step,
         "params_kept": all(a is b for a, b in zip(model.parameters(), params, strict=True)),
         "xm_all_reduce_calls": xm_all_reduce_calls(), "comm": comm,
