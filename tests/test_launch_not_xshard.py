@@ -41,7 +41,7 @@ def _run(tmp_path, module: str, env: dict[str, str], script_text: str = SCRIPT) 
     config = tmp_path / "stage2.yaml"
     config.write_text("stage: 2\n")
     return subprocess.run([sys.executable, "-m", "xshard", "launch", "--nproc", "2", "--config", str(config),
-                           str(script)], capture_output=True, text=True, timeout=300, env=env)
+                           str(script)], capture_output=True, text=True, timeout=270, env=env)
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ def _run(out: Path, command: list[str], extra_env: dict[str, str] | None = None,
     env = {**os.environ, "XSHARD_BACKEND": "cpu", **(extra_env or {})}
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
     return subprocess.run([*command, str(SCRIPT), str(out)] + ([str(kill_at)] if kill_at else []),
-                          env=env, capture_output=True, text=True, timeout=400)
+                          env=env, capture_output=True, text=True, timeout=270)
 
 
 @pytest.fixture(scope="module")

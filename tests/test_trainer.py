@@ -37,7 +37,7 @@ def _args(model: Path, out: Path, *extra: str) -> list[str]:
 def _run(command: list[str], args: list[str], trainer: str = "xshard", **env_vars: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
     env.update(SFT_TRAINER=trainer, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env_vars)
-    proc = subprocess.run([*command, str(SCRIPT), *args], capture_output=True, text=True, timeout=400, cwd=ROOT,
+    proc = subprocess.run([*command, str(SCRIPT), *args], capture_output=True, text=True, timeout=270, cwd=ROOT,
                           env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
