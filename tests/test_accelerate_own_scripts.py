@@ -51,6 +51,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.jobs import run_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -71,9 +72,8 @@ def _scripts() -> Path:
 def _launch(tmp_path: Path, stage: int, script: str, *functions: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
     env.update(XSHARD_STAGE=str(stage), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "xshard", "launch", "--nproc", "2", str(SHIM),
-                           str(_scripts() / script), *functions],
-                          capture_output=True, text=True, timeout=270, cwd=tmp_path, env=env)
+    return run_job([sys.executable, "-m", "xshard", "launch", "--nproc", "2", str(SHIM), str(_scripts() / script),
+                    *functions], timeout=270, cwd=tmp_path, env=env)
 
 
 def _passed(proc: subprocess.CompletedProcess, *functions: str) -> None:

@@ -301,3 +301,39 @@ def test_only_torch_xla_is_imported_or_skipped_and_each_skip_says_why() -> None:
                                  f"{', reason=...' if reason else ''})")
     assert not found, ("a dependency of the [test] extra is needed, not optional (import it), and a torch_xla skip "
                        "names what the test needs (reason=...):\n" + "\n".join(found))
+
+
+_LAUNCHER = """
+import subprocess, sys, time
+
+def launcher_is_stuck_too():
+    subprocess.run([sys.executable, sys.argv[1]])
+    print("the rank ended", flush=True)
+    time.sleep(600)
+
+launcher_is_stuck_too()
+"""
+
+_RANK = """
+import sys, time
+
+def rank_is_stuck():
+    print("rank started", flush=True)
+    time.sleep(600)
+
+rank_is_stuck()
+"""
+
+
+def test_a_hung_job_is_reported_with_each_of_its_processes_stacks(tmp_path) -> None:
+    """run_job: a job whose processes never end fails the test with each one's stacks (the rank's where it
+    waited, then the launcher's) and the output so far, not with a bare TimeoutExpired."""
+    from support.jobs import run_job
+
+    (tmp_path / "launcher.py").write_text(_LAUNCHER)
+    (tmp_path / "rank.py").write_text(_RANK)
+    with pytest.raises(AssertionError) as failure:
+        run_job([sys.executable, str(tmp_path / "launcher.py"), str(tmp_path / "rank.py")], timeout=4)
+    report = str(failure.value)
+    assert "did not finish in 4s" in report and "rank started" in report and "the rank ended" in report
+    assert "in rank_is_stuck" in report and "in launcher_is_stuck_too" in report, report

@@ -32,4 +32,4 @@ def fit(timeout: float) -> float:
     """``timeout``, shortened to end ``MARGIN_S`` seconds before pytest-timeout ends the running test."""
     if _deadline is None:
         return timeout
-    return max(FLOOR_S, min(timeout, _deadline - time.monotonic() - MARGIN_S))
+    return min(timeout, max(FLOOR_S, _deadline - time.monotonic() - MARGIN_S))
