@@ -1,4 +1,5 @@
-"""The suite reports what it says: read with ``ast``, no test is run here.
+"""The suite reports what it says. The suite's files are read with ``ast`` (no test of theirs runs here);
+the helpers that report hangs run on a toy job of two processes.
 
 - A hang is reported by the test's own timeout, not by pytest-timeout. ``run_workers`` (and the other
   helpers of ``tests/support/`` that take a ``timeout``) report a hang with every rank's Python stacks,
@@ -11,8 +12,10 @@
   pytest-timeout's marker replaces the ini value for that test, it does not add to it. A test that
   waits several times in a row is kept honest at run time too: ``support.deadline.fit`` shortens the
   helpers' timeouts to what is left of the test's (``tests/conftest.py`` records its deadline).
-- The dependencies of the ``[test]`` extra are installed: a test that needs one fails without it rather
-  than skipping (``pytest.importorskip`` is kept for torch_xla alone, which lives in .venv-xla).
+- The dependencies of the ``[test]`` extra are installed, at the pinned versions: a test that needs one
+  fails without it rather than skipping (``pytest.importorskip`` is kept for torch_xla alone, which lives
+  in .venv-xla, with a reason that the summary prints; ``make test-xla`` sets ``XSHARD_REQUIRE_XLA=1``,
+  under which a missing torch_xla stops the run).
 """
 
 from __future__ import annotations
