@@ -114,8 +114,9 @@ $(XLA_VENV)/.installed: pyproject.toml
 
 install-xla: $(XLA_VENV)/.installed
 
+# XSHARD_REQUIRE_XLA=1: an environment without torch_xla is an error here, not a run of skipped tests.
 test-xla: install-xla
-	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -q --durations=10 -m xla tests
+	PJRT_DEVICE=CPU XSHARD_REQUIRE_XLA=1 $(XLA_BIN)/python -m pytest -q --durations=10 -m xla tests
 
 clean-xla:
 	rm -rf $(XLA_VENV)

@@ -20,6 +20,42 @@ collect_ignore = ["support"]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_configure(config) -> None:
+    """``XSHARD_REQUIRE_XLA=1`` (``make test-xla``): the environment must have torch_xla, whose absence would
+    otherwise skip every xla test (``pytest.importorskip``, the one skip the suite keeps for a package)."""
+    import importlib.util
+
+    if os.environ.get("XSHARD_REQUIRE_XLA") == "1" and importlib.util.find_spec("torch_xla") is None:
+        raise pytest.UsageError("XSHARD_REQUIRE_XLA=1: torch_xla is not installed in this environment, so every xla "
+                                "test would be skipped; build the XLA environment with `make install-xla`")
+
+
+def _pytest_timeout(item: pytest.Item) -> float | None:
+    """The seconds after which pytest-timeout ends ``item``: its closest ``timeout`` mark (which replaces the
+    configured value for that test), else ``--timeout``, ``PYTEST_TIMEOUT`` or the ini's ``timeout``."""
+    if not item.config.pluginmanager.hasplugin("timeout"):  # pytest-timeout absent or disabled (-p no:timeout)
+        return None
+    mark = item.get_closest_marker("timeout")
+    if mark is not None:
+        value = mark.args[0] if mark.args else mark.kwargs.get("timeout")
+    else:
+        value = item.config.getoption("timeout", None) or os.environ.get("PYTEST_TIMEOUT") or item.config.getini("timeout")
+    return float(value) if value else None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The test's pytest-timeout deadline, from the moment its timer starts (setup included), for the helpers
+    whose own timeouts must fire first (support/deadline.py)."""
+    from support.deadline import set_deadline
+
+    set_deadline(_pytest_timeout(item))
+    try:
+        return (yield)
+    finally:
+        set_deadline(None)
+
+
 @pytest.fixture(autouse=True)
 def _environment_restored():
     """Every test leaves ``os.environ`` as it found it. Code under test may export variables (a backend's

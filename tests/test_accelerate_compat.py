@@ -102,7 +102,8 @@ def test_arguments_without_meaning_are_named_in_one_warning():
 
 
 def test_accelerate_own_objects_are_accepted(tmp_path):
-    utils = pytest.importorskip("accelerate.utils")
+    from accelerate import utils
+
     acc = _accelerator(project_config=utils.ProjectConfiguration(project_dir=str(tmp_path),
                                                                  automatic_checkpoint_naming=True),
                        gradient_accumulation_plugin=utils.GradientAccumulationPlugin(num_steps=3),

@@ -32,10 +32,14 @@ Excluded (functions that build Accelerate's internal objects, or need what this 
   checks drive Accelerate's ``synchronize_rng_states``, ``prepare_data_loader`` /
   ``BatchSamplerShard`` / ``skip_first_batches`` and ``PartialState`` directly (no Accelerator);
   ``test_trigger`` is covered by ``tests/test_accelerate_behaviour.py``.
-- ``external_deps/test_metrics.py`` and ``external_deps/test_checkpointing.py`` import ``datasets`` and
-  ``evaluate`` and download GLUE MRPC / bert-base-cased: they run where those are installed and the
-  Hub is reachable, and are skipped otherwise (``test_metrics.py``'s ``test_mrpc`` also needs a
-  non-CPU device, by its own rule).
+- ``external_deps/test_checkpointing.py``: it downloads bert-base-cased, GLUE MRPC and the ``glue`` metric
+  from the Hub at run time and trains bert-base for 2 epochs. It is a strict, not-run xfail with what was
+  measured here (no network: ``OSError: We couldn't connect to`` the Hub, after about 70 s of retries),
+  so the suite counts it among its expected failures.
+- ``external_deps/test_metrics.py``'s ``test_mrpc`` (the same downloads) runs only on a non-CPU device, by
+  the script's own rule; the rest of the script (``gather_for_metrics`` over split and dispatched batches,
+  a last batch divisible and not, ``drop_last``) runs here, offline: see
+  ``test_metrics_script_at_stage_3``.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.jobs import run_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -60,17 +65,15 @@ class KnownGap(Exception):
 
 def _scripts() -> Path:
     spec = importlib.util.find_spec("accelerate")
-    if spec is None or spec.origin is None:
-        pytest.skip("accelerate is not installed")
+    assert spec is not None and spec.origin is not None, "accelerate is not installed: pip install -e '.[test]'"
     return Path(spec.origin).parent / "test_utils" / "scripts"
 
 
 def _launch(tmp_path: Path, stage: int, script: str, *functions: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
     env.update(XSHARD_STAGE=str(stage), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "xshard", "launch", "--nproc", "2", str(SHIM),
-                           str(_scripts() / script), *functions],
-                          capture_output=True, text=True, timeout=500, cwd=tmp_path, env=env)
+    return run_job([sys.executable, "-m", "xshard", "launch", "--nproc", "2", str(SHIM), str(_scripts() / script),
+                    *functions], timeout=270, cwd=tmp_path, env=env)
 
 
 def _passed(proc: subprocess.CompletedProcess, *functions: str) -> None:
@@ -118,10 +121,13 @@ def test_script_training_check_at_stage_3(tmp_path):
            "torch.Size([]) != torch.Size([1])")
 
 
-@pytest.mark.parametrize("script", ["external_deps/test_metrics.py", "external_deps/test_checkpointing.py"])
-def test_scripts_that_need_datasets_evaluate_and_the_hub(tmp_path, script):
-    for module in ("datasets", "evaluate"):
-        pytest.importorskip(module, reason=f"{script} imports {module}")
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        pytest.skip(f"{script} downloads its model and data set from the Hub")
-    _passed(_launch(tmp_path, 3, script))
+def test_metrics_script_at_stage_3(tmp_path):
+    """``gather_for_metrics`` drops the samples that even batches repeated, with split and dispatched batches
+    (the script imports datasets and evaluate; on the CPU it downloads nothing)."""
+    _passed(_launch(tmp_path, 3, "external_deps/test_metrics.py"))
+
+
+@pytest.mark.xfail(run=False, strict=True, reason="downloads bert-base-cased, GLUE MRPC and the glue metric from the "
+                   "Hub (measured: OSError, could not connect to the Hub) and trains bert-base for 2 epochs")
+def test_checkpointing_script_at_stage_3(tmp_path):
+    _passed(_launch(tmp_path, 3, "external_deps/test_checkpointing.py"))

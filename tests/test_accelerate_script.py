@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from support.jobs import run_job
 from support.side_by_side import side_by_side
 
 pytestmark = pytest.mark.multiprocess
@@ -30,8 +30,7 @@ SCRIPT = Path(__file__).resolve().parent / "support" / "accelerate_gpt2_script.p
 def _run(command: list[str], out: Path, accelerator: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
     env.update(ACCELERATOR=accelerator, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([*command, str(SCRIPT), "--out", str(out)], capture_output=True, text=True,
-                          timeout=400, cwd=ROOT, env=env)
+    proc = run_job([*command, str(SCRIPT), "--out", str(out)], timeout=270, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, proc.stdout[-2000:]  # printed by the main process only
@@ -39,7 +38,6 @@ def _run(command: list[str], out: Path, accelerator: str) -> dict:
 
 
 def test_accelerate_and_xshard_give_the_same_run_in_one_process(tmp_path):
-    pytest.importorskip("accelerate")
     reference, ours = side_by_side(lambda: _run([sys.executable], tmp_path / "accelerate", "accelerate"),
                                    lambda: _run([sys.executable], tmp_path / "xshard", "xshard"))
     assert len(ours["losses"]) == len(reference["losses"]) == 24

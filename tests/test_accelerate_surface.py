@@ -15,23 +15,22 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support.jobs import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.multiprocess
 def test_loggers_follow_main_process_only_and_in_order_on_2_processes(tmp_path):
-    pytest.importorskip("accelerate")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "xshard", "launch", "--nproc", "2",
-                           str(Path(__file__).parent / "support" / "accelerate_logging_script.py")],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    proc = run_job([sys.executable, "-m", "xshard", "launch", "--nproc", "2",
+                    str(Path(__file__).parent / "support" / "accelerate_logging_script.py")],
+                   timeout=270, cwd=tmp_path, env=env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     for name in ("from_accelerate", "from_xshard"):

@@ -65,12 +65,10 @@ def _load_worker(rank, world_size, folder, expected_path):
 
 
 def test_an_accelerate_checkpoint_and_a_full_state_dict_of_a_tied_model_load_under_either_name(tmp_path):
-    pytest.importorskip("accelerate")
-    pytest.importorskip("transformers")
     folder = tmp_path / "accelerate_ckpt"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
     proc = subprocess.run([sys.executable, "-c", _SAVE_WITH_ACCELERATE, str(folder)], capture_output=True,
-                          text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+                          text=True, timeout=270, env={**env, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from safetensors import safe_open
 

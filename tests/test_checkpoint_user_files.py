@@ -298,7 +298,7 @@ def test_a_full_disk_is_one_line_with_bytes_needed_and_free_and_leaves_nothing(t
     shell = (f"mount -t tmpfs -o size=1000k tmpfs {mount} && "
              f"{sys.executable} {script} {mount} {tests}")
     proc = __import__("subprocess").run(["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True,
-                                        timeout=300, env={**os.environ, "PYTHONPATH": tests})
+                                        timeout=270, env={**os.environ, "PYTHONPATH": tests})
     if "mount" in proc.stderr and proc.returncode != 0 and "ERROR:" not in proc.stdout:
         pytest.skip(f"this machine does not allow a private tmpfs: {proc.stderr.strip()[-200:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]

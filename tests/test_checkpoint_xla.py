@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-pytest.importorskip("torch_xla")
+pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla")
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 import torch  # noqa: E402

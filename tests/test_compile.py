@@ -73,7 +73,7 @@ def test_compiled_models_match_eager_pytorch_and_stop_compiling() -> None:
         opt.step()
         opt.zero_grad()
         reference.append(loss.item())
-    results = run_workers(_worker, 2, timeout=600)
+    results = run_workers(_worker, 2, timeout=270)
     for key in RUNS:
         losses = torch.tensor([r[key][0] for r in results]).mean(0)
         torch.testing.assert_close(losses, torch.tensor(reference), atol=1e-5, rtol=0, msg=lambda m, key=key: f"{key}: {m}")

@@ -132,8 +132,8 @@ def test_check_passes_on_cpu_with_one_process() -> None:
 
 @pytest.mark.xla
 def test_check_passes_on_xla_cpu() -> None:
-    pytest.importorskip("torch_xla")
-    proc = xshard_env("--check", env={"XSHARD_BACKEND": "xla", "PJRT_DEVICE": "CPU"}, timeout=300)
+    pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla")
+    proc = xshard_env("--check", env={"XSHARD_BACKEND": "xla", "PJRT_DEVICE": "CPU"}, timeout=270)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"all {len(CHECKS)} checks passed" in proc.stdout
 

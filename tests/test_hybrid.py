@@ -53,7 +53,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def results() -> dict[str, list[dict]]:
     per_rank = run_workers(run_cases, WORLD, list(CASES.values()), env={"LOCAL_WORLD_SIZE": str(NODE)},
-                           timeout=600)
+                           timeout=270)
     return {name: [r[i] for r in per_rank] for i, name in enumerate(CASES)}
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from support.jobs import run_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,8 +41,8 @@ def _run(tmp_path, module: str, env: dict[str, str], script_text: str = SCRIPT) 
     script.write_text(script_text.format(module=module))
     config = tmp_path / "stage2.yaml"
     config.write_text("stage: 2\n")
-    return subprocess.run([sys.executable, "-m", "xshard", "launch", "--nproc", "2", "--config", str(config),
-                           str(script)], capture_output=True, text=True, timeout=300, env=env)
+    return run_job([sys.executable, "-m", "xshard", "launch", "--nproc", "2", "--config", str(config), str(script)],
+                   timeout=270, env=env)
 
 
 @pytest.fixture

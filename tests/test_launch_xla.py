@@ -144,7 +144,7 @@ with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
 '''
 
 
-def _xla_launch(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+def _xla_launch(args: list[str], env: dict[str, str], timeout: float = 270) -> subprocess.CompletedProcess:
     """`xshard launch` as a user runs it (once)."""
     from support.xla_replicas import run_command
 
@@ -234,7 +234,7 @@ def test_a_replica_that_raises_is_shown_with_its_number_and_ends_the_job(tmp_pat
     not left there until XLA:CPU's 10 s abort (whose 'Termination timeout' would bury the cause)."""
     script = tmp_path / "raiser.py"
     script.write_text(RAISER)
-    proc = _xla_launch(["--nproc", "2", str(script)], _xla_env(), timeout=300)
+    proc = _xla_launch(["--nproc", "2", str(script)], _xla_env(), timeout=270)
     assert proc.returncode == 1, proc.stderr[-3000:]
     shown = proc.stderr.find("xshard launch: replica 1 raised:")
     assert shown >= 0 and "ValueError: replica one cannot go on" in proc.stderr, proc.stderr[-3000:]

@@ -46,7 +46,6 @@ def _run(launcher: list[str], accelerator: str, cwd: Path, *args: str) -> tuple[
 
 
 def test_no_trainer_script_gives_accelerates_losses_and_resumes_exactly(tmp_path):
-    pytest.importorskip("accelerate")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     xshard = [sys.executable, "-m", "xshard", "launch", "--nproc", "2"]
     flags = ("--with_tracking", "--checkpointing_steps", "3")

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.jobs import run_job
 
 pytestmark = pytest.mark.multiprocess
-pytest.importorskip("peft")
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "peft_lora_fsdp"
@@ -28,11 +28,11 @@ def guide_run(tmp_path_factory):
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, str(EXAMPLE / "make_tiny.py"), str(work)], check=True, env=env, timeout=120,
                    capture_output=True)
-    proc = subprocess.run(
+    proc = run_job(
         [sys.executable, "-m", "xshard", "launch", "--nproc", "2", "--config", str(EXAMPLE / "fsdp_config.yaml"),
          str(EXAMPLE / "peft_lora_seq2seq_accelerate_fsdp.py"), "--model_name_or_path", str(work / "tiny-t5"),
          "--data_dir", str(work / "data"), "--output_dir", str(work / "out")],
-        capture_output=True, text=True, timeout=400, cwd=work, env=env)
+        timeout=270, cwd=work, env=env)
     return work, proc
 
 

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from support.distributed import run_workers
-
-transformers = pytest.importorskip("transformers")
 
 
 def tiny_qwen(tie: bool, seed: int = 0):

@@ -9,12 +9,12 @@ import math
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from support.jobs import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "qwen_finetune"
@@ -57,7 +57,7 @@ def run(tmp_path_factory):
            "--learning_rate", "3e-3", "--warmup_ratio", "0.1", "--lr_scheduler_type", "cosine", "--seed", "1234",
            "--logging_steps", "1", "--save_steps", "5", "--save_total_limit", "2", "--disable_tqdm", "True"]
     env = {**os.environ, "XSHARD_BACKEND": "cpu", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    done = run_job(cmd, env=env, timeout=270, cwd=ROOT)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return out, done.stdout + done.stderr
 

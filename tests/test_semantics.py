@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, names: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def sharded() -> list[dict]:
-    return run_workers(_worker, 2, list(CASES), timeout=280)
+    return run_workers(_worker, 2, list(CASES), timeout=270)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -62,7 +62,7 @@ LOW_PRECISION = {"bf16-3", "fp16-2"}
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, list[dict]]]:
     by_forms = {forms: list(CASES.values()) for forms in SETUPS}
-    per_rank = run_workers(run_cases_by_forms, WORLD, by_forms, env={"LOCAL_WORLD_SIZE": str(NODE)}, timeout=280)
+    per_rank = run_workers(run_cases_by_forms, WORLD, by_forms, env={"LOCAL_WORLD_SIZE": str(NODE)}, timeout=270)
     return {forms: {name: [r[forms][i] for r in per_rank] for i, name in enumerate(CASES)} for forms in SETUPS}
 
 

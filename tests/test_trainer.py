@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.jobs import run_job
 from support.side_by_side import side_by_side
 
 pytestmark = pytest.mark.multiprocess
@@ -37,8 +38,7 @@ def _args(model: Path, out: Path, *extra: str) -> list[str]:
 def _run(command: list[str], args: list[str], trainer: str = "xshard", **env_vars: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
     env.update(SFT_TRAINER=trainer, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env_vars)
-    proc = subprocess.run([*command, str(SCRIPT), *args], capture_output=True, text=True, timeout=400, cwd=ROOT,
-                          env=env)
+    proc = run_job([*command, str(SCRIPT), *args], timeout=270, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.jobs import run_job
 
 import xshard
 from xshard.cli.launch import LaunchOptions, plan_launch
@@ -103,8 +104,8 @@ def test_an_accelerate_script_with_an_optimizer_block_of_auto_gets_one_line_nami
 # ------------------------------------------------------------------------------------------ two processes
 
 def _launch(config: Path, script: str, args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "xshard", "launch", "--nproc", "2", "--config", str(config),
-                           str(SUPPORT / script), *args], capture_output=True, text=True, timeout=400)
+    return run_job([sys.executable, "-m", "xshard", "launch", "--nproc", "2", "--config", str(config),
+                    str(SUPPORT / script), *args], timeout=270)
 
 
 @pytest.mark.multiprocess

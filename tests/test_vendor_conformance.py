@@ -141,7 +141,7 @@ def test_torch_has_every_name_and_keyword_xshard_uses() -> None:
 
 @pytest.mark.xla
 def test_torch_xla_has_every_name_and_keyword_xshard_uses() -> None:
-    torch_xla = pytest.importorskip("torch_xla")
+    torch_xla = pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla")
     problems = problems_against([u for u in backend_uses() if u.name.startswith("torch_xla")], _live, live_signature)
     assert not problems, f"torch_xla {torch_xla.__version__}:\n" + "\n".join(problems)
 
@@ -150,8 +150,8 @@ def test_torch_xla_has_every_name_and_keyword_xshard_uses() -> None:
 def test_torch_xla_ships_no_grad_scaler_of_its_own() -> None:
     # XLABackend.grad_scaler() is torch.amp.GradScaler("xla") because of this; a release that adds
     # one should make it the backend's scaler
-    amp = pytest.importorskip("torch_xla.amp")
-    version = pytest.importorskip("torch_xla").__version__
+    amp = pytest.importorskip("torch_xla.amp", reason="needs torch_xla: make test-xla")
+    version = pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla").__version__
     assert not hasattr(amp, "GradScaler"), f"torch_xla {version} has amp.GradScaler now: use it in XLABackend.grad_scaler"
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-torch_xla = pytest.importorskip("torch_xla")  # sets PJRT_DEVICE=CPU itself if unset and no TPU
+torch_xla = pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla")  # sets PJRT_DEVICE=CPU itself if unset and no TPU
 
 import torch  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-pytest.importorskip("torch_xla")
+pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla")
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 import torch  # noqa: E402
@@ -86,7 +86,7 @@ def test_hybrid_sharding_on_four_xla_replicas_trains_like_one_cpu_process() -> N
     """2 shard groups of 2 replicas (torch_xla replica groups): gathers and reduce-scatters within
     [0 1] and [2 3], the reduced shards averaged across [0 2] and [1 3]."""
     reference = train_on_cpu_backend(3, STEPS)
-    results = run_replicas(train_core_on_xla, 4, 3, STEPS, False, False, {"shard_group_size": 2}, timeout=420)
+    results = run_replicas(train_core_on_xla, 4, 3, STEPS, False, False, {"shard_group_size": 2}, timeout=270)
     mean_losses = torch.tensor([r["losses"] for r in results]).mean(0)
     torch.testing.assert_close(mean_losses, torch.tensor(reference["losses"]), atol=ATOL, rtol=0)
     assert_same_gradients(results[:2], reference, replicated=False)

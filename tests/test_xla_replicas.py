@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-pytest.importorskip("torch_xla")
+pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla")
 
 import torch  # noqa: E402
 from support.collective_checks import assert_collective_results  # noqa: E402

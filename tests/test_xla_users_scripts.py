@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 XLA_ENV = {"XSHARD_BACKEND": "xla", "PJRT_DEVICE": "CPU"}
 
 
-def _run(cmd: list[str], env: dict[str, str], timeout: int = 600) -> str:
+def _run(cmd: list[str], env: dict[str, str], timeout: int = 270) -> str:
     """``cmd`` from the repository root, once; it must succeed."""
     from support.xla_replicas import run_command
 
@@ -50,7 +50,7 @@ def _launch(nproc: int, env: dict[str, str]) -> list[float]:
 
 
 def test_minimal_example_learns_the_same_on_one_xla_device_as_on_cpu() -> None:
-    pytest.importorskip("torch_xla")
+    pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla")
     on_xla, on_cpu = side_by_side(lambda: _launch(1, XLA_ENV), lambda: _launch(1, {"XSHARD_BACKEND": "cpu"}))
     assert len(on_xla) == len(on_cpu) == 3
     assert on_xla[-1] < 0.5 * on_xla[0], f"no learning on XLA: {on_xla}"
@@ -69,10 +69,10 @@ def test_the_readmes_two_device_command_learns_as_two_cpu_processes_do() -> None
     """`XSHARD_BACKEND=xla PJRT_DEVICE=CPU xshard launch --nproc 2 examples/minimal.py`, as the README
     gives it (2048 samples, 4 epochs: 256 steps a replica), once, with no retry; then the same command on
     two CPU processes, whose losses it must follow."""
-    pytest.importorskip("torch_xla")
+    pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla")
     env = _env_the_launcher_decides()
     cmd = [sys.executable, "-m", "xshard", "launch", "--nproc", "2", "examples/minimal.py"]
-    proc = subprocess.run(cmd, env={**env, **XLA_ENV}, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, env={**env, **XLA_ENV}, cwd=ROOT, capture_output=True, text=True, timeout=270)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Termination timeout" not in proc.stderr, proc.stderr[-4000:]
     two_xla = _losses(proc.stdout)
@@ -87,7 +87,7 @@ def test_the_readmes_two_device_command_learns_as_two_cpu_processes_do() -> None
 
 
 def _compiles(tmp_path: Path, steps: int, multiple: int) -> list[int]:
-    pytest.importorskip("torch_xla")
+    pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla")
     out = _run([sys.executable, "tests/support/xla_compiles_run.py", "--output_dir", str(tmp_path / str(multiple)),
                 "--max_steps", str(steps), "--per_device_train_batch_size", "2", "--model_max_length", "128",
                 "--learning_rate", "1e-3", "--logging_steps", "4", "--save_strategy", "no"],
@@ -125,7 +125,7 @@ def _rebind_run(pass_optimizer: bool) -> str:
 
 
 def test_an_optimizer_built_before_prepare_trains_the_device_parameters_or_is_refused() -> None:
-    pytest.importorskip("torch_xla")
+    pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla")
     assert "CHANGED" in _run([sys.executable, "-c", _rebind_run(True)], XLA_ENV)
     refused = _run([sys.executable, "-c", _rebind_run(False)], XLA_ENV)
     assert "REFUSED" in refused and "accelerator.prepare(model, optimizer)" in refused
@@ -148,7 +148,7 @@ def test_the_trainer_with_an_xla_fsdp_config_trains_as_on_the_cpu(tmp_path: Path
     """The Trainer docs' TPU arguments, `--fsdp full_shard --fsdp_config '{"xla": true, "xla_fsdp_grad_ckpt":
     true}'`, on one XLA:CPU device: the stock Trainer would refuse `--fsdp` outside its own XLA FSDP; xshard's
     runs it at stage 3 with activation checkpointing and logs the CPU backend's losses for the same command."""
-    pytest.importorskip("torch_xla")
+    pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla")
     fsdp_config = tmp_path / "xla_fsdp.json"
     fsdp_config.write_text(json.dumps({"xla": True, "xla_fsdp_grad_ckpt": True}))
     on_xla, on_cpu = side_by_side(  # one device, no collective: a neighbour's load cannot abort it
@@ -170,7 +170,7 @@ def _qwen_trainer_losses(out: Path, nproc_env: dict[str, str]) -> list[float]:
            "cosine", "--seed", "1234", "--logging_steps", "10", "--save_strategy", "no"]
     env = _env_the_launcher_decides()
     proc = subprocess.run(cmd, env={**env, **nproc_env}, cwd=ROOT / "examples" / "qwen_finetune", capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=270)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (out / "model.safetensors").is_file() and (out / "training_args.bin").is_file()
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
@@ -183,7 +183,7 @@ def test_the_qwen_trainer_script_trains_logs_and_saves_on_two_xla_devices(tmp_pa
     matched: the job aborted at the first logging step), and ``save_model`` pickles the script's own
     TrainingArguments subclass (which failed once the other replica thread had returned). Its losses follow
     the same command on 2 CPU processes."""
-    pytest.importorskip("torch_xla")
+    pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla")
     on_xla = _qwen_trainer_losses(tmp_path / "xla", XLA_ENV)
     # (transformers takes its TPU paths wherever torch_xla is installed, as here, and on CPU processes its
     # logged loss was rank 0's alone: 5.44, 9.02, 9.34, 1.02 ... step by step; the launcher turns them off)

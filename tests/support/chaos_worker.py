@@ -6,7 +6,10 @@ Resumes from the newest complete checkpoint under OUT_DIR if there is one (``mis
 first run has none), trains to ``TOTAL_STEPS`` optimizer steps with a checkpoint every
 ``SAVE_EVERY`` steps (``save_total_limit=2``), and rank 0 finally writes the full weights to
 ``OUT_DIR/final.pt``. Every rank prints ``EVENT <name> <step>`` lines (flushed) so that the driver
-can kill a rank at a chosen moment (rank 0 also as its rotation starts and before each deletion). After each checkpoint the loop starts a fresh pass over the
+can kill a rank at a chosen moment: ``write`` before each file it writes into a checkpoint's ``.tmp``
+folder, and rank 0 ``rotate_begin`` / ``remove`` / ``rotated`` as its rotation starts, before each deletion
+and as it ends. ``XSHARD_CHAOS_HOLD="<name> <step>"``: once this rank has printed that event it stops there
+(the driver kills it in that phase, for certain). After each checkpoint the loop starts a fresh pass over the
 loader, in the uninterrupted run and in a resumed one alike, so the two consume the same random
 numbers (dropout is on) and must end bit for bit equal.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,8 +28,14 @@ from torch.utils.data import DataLoader, TensorDataset
 TOTAL_STEPS, SAVE_EVERY, GLOBAL_BATCH, N, DIM, WIDTH = 12, 3, 4, 40, 8, 96
 
 
+#: "<name> <step>": the event after which this rank waits to be killed (the driver's aimed kills)
+HOLD = os.environ.get("XSHARD_CHAOS_HOLD")
+
+
 def event(name: str, step: int) -> None:
     print(f"EVENT {name} {step}", flush=True)
+    if HOLD == f"{name} {step}":
+        time.sleep(120)  # the driver kills this process here; a driver that does not is a hang it reports
 
 
 class Net(nn.Module):
@@ -46,22 +56,31 @@ class Net(nn.Module):
         return nn.functional.mse_loss(self.out(h).squeeze(-1), y)
 
 
-def _report_rotation(step: list[int]) -> None:
-    """Rank 0 prints ``EVENT rotate_begin <step>`` as save_total_limit's rotation starts and ``EVENT remove
-    <step>`` before each folder it deletes, so that the driver can kill it mid-rotation."""
+def _report_phases(step: list[int]) -> None:
+    """Print ``EVENT write <step>`` before each checkpoint file this rank writes, and (rank 0) ``EVENT
+    rotate_begin <step>`` as save_total_limit's rotation starts, ``EVENT remove <step>`` before each folder it
+    deletes and ``EVENT rotated <step>`` as it ends, so that the driver can kill a rank mid-save or mid-rotation
+    and tell where its kill landed."""
     from xshard.checkpoint import files, state
 
-    rotate, remove_folder = files.rotate, files.remove_folder
+    rotate, remove_folder, write = files.rotate, files.remove_folder, files.FileWriter._write
 
     def rotate_reporting(*args, **kwargs):
         event("rotate_begin", step[0])
-        return rotate(*args, **kwargs)
+        deleted = rotate(*args, **kwargs)
+        event("rotated", step[0])
+        return deleted
 
     def remove_reporting(path):
         event("remove", step[0])
         return remove_folder(path)
 
+    def write_reporting(self, name, *args, **kwargs):
+        event("write", step[0])
+        return write(self, name, *args, **kwargs)
+
     state.rotate, files.remove_folder = rotate_reporting, remove_reporting
+    files.FileWriter._write = write_reporting
 
 
 def main(out: Path) -> None:
@@ -80,7 +99,7 @@ def main(out: Path) -> None:
     acc.load_state(out, resume_from_checkpoint=True, missing_ok=True)
     event("loaded", acc.step)
     step = [acc.step]
-    _report_rotation(step)
+    _report_phases(step)
     while acc.step < TOTAL_STEPS:
         while True:  # one segment: fresh passes over the loader until the next multiple of SAVE_EVERY
             for xb, yb in loader:

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from support.deadline import fit
+
 #: where every test world's processes come from (see the module docstring)
 START_METHOD = "forkserver"
 CONTEXT = multiprocessing.get_context(START_METHOD)
@@ -86,7 +88,11 @@ def _stacks(outdir: str) -> str:
 def run_workers(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240, env: dict[str, str] | None = None
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the results by rank."""
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return the results by rank.
+
+    ``timeout`` is shortened to end before the running test's pytest-timeout (``support.deadline.fit``),
+    so that a hang is reported here, with the ranks' stacks."""
+    timeout = fit(timeout)
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
             _entry, args=(fn, world_size, free_port(), outdir, dict(env or {}), args, timeout, dict(os.environ)),

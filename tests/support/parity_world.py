@@ -30,7 +30,7 @@ def groups_of(items: list[Any], fixture: str) -> dict[str, dict[str, list[dict[s
 
 
 def run_shared(world_size: int, by_module: dict[str, dict[str, list[dict[str, Any]]]],
-               timeout: float = 280) -> dict[str, Results]:
+               timeout: float = 270) -> dict[str, Results]:
     """Run every module's groups in one job of ``world_size`` ranks; results by module, then group."""
     order = [(module, group) for module, groups in by_module.items() for group in groups]
     cases = [c for module, group in order for c in by_module[module][group]]

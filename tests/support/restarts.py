@@ -28,9 +28,12 @@ def lose_rank(acc: Any, kill_at: int | None) -> None:
 def run_job(script: Path, out: Path, command: list[str], extra_env: dict[str, str] | None = None,
             kill_at: int | None = 7) -> subprocess.CompletedProcess:
     """``command script out [kill_at]`` on the CPU backend, ``out`` created first; rank ``LOST_RANK`` of
-    the first attempt kills itself after step ``kill_at`` (None: an uninterrupted run)."""
+    the first attempt kills itself after step ``kill_at`` (None: an uninterrupted run). A hang fails
+    with every process's stacks (``support.jobs``)."""
+    from support.jobs import run_job as run_reporting_hangs  # test side only: scripts import lose_rank
+
     out.mkdir()
     env = {**os.environ, "XSHARD_BACKEND": "cpu", **(extra_env or {})}
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
-    return subprocess.run([*command, str(script), str(out)] + ([str(kill_at)] if kill_at else []),
-                          env=env, capture_output=True, text=True, timeout=400)
+    return run_reporting_hangs([*command, str(script), str(out)] + ([str(kill_at)] if kill_at else []),
+                               env=env, timeout=270)

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from support.deadline import fit
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -30,14 +32,15 @@ def run_replicas(fn: Callable, world_size: int, *args: Any, timeout: float = 120
     """``fn(rank, world_size, *args)`` on ``world_size`` XLA:CPU replicas; results in rank order.
 
     One run, no retry: a replica's failure, XLA:CPU's abort in a collective included, fails the test
-    with the replica's stderr.
+    with the replica's stderr. ``timeout`` ends before the test's pytest-timeout (``support.deadline.fit``).
     """
-    return _run_once(fn, world_size, args, timeout)
+    return _run_once(fn, world_size, args, fit(timeout))
 
 
-def run_command(cmd: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """``cmd`` (e.g. ``xshard launch`` on XLA:CPU) as a user runs it, once, from the repository root."""
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+def run_command(cmd: list[str], env: dict[str, str], timeout: float = 270) -> subprocess.CompletedProcess:
+    """``cmd`` (e.g. ``xshard launch`` on XLA:CPU) as a user runs it, once, from the repository root; ``timeout``
+    ends before the test's pytest-timeout (``support.deadline.fit``)."""
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=fit(timeout), cwd=ROOT)
 
 
 def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
