@@ -103,33 +103,36 @@ def _copy_tree(dest: Path) -> None:
             shutil.copy2(entry, dest / entry.name)
 
 
-def run(mutant: Mutant) -> tuple[str, str, float]:
-    """(verdict, the first failure line, seconds): "caught", "MISSED" (the tests passed), or "error"."""
+def run(mutant: Mutant) -> tuple[str, list[str], float]:
+    """(verdict, the failed tests with their first lines, seconds): "caught", "MISSED" (the tests
+    passed), or "error" (the run ended otherwise: a timeout, a collection error)."""
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
         tree = Path(tmp)
         _copy_tree(tree)
         target = tree / mutant.path
         text = target.read_text()
         if text.count(mutant.old) != 1:
-            return "error", f"the text to change occurs {text.count(mutant.old)} times in {mutant.path}", 0.0
+            return "error", [f"the text to change occurs {text.count(mutant.old)} times in {mutant.path}"], 0.0
         target.write_text(text.replace(mutant.old, mutant.new))
         python = ROOT / (".venv-xla" if mutant.xla else ".venv") / "bin" / "python"
         env = {**os.environ, "PYTHONPATH": str(tree)}
         if mutant.xla:
             env["PJRT_DEVICE"] = "CPU"
         start = time.monotonic()
-        proc = subprocess.run([str(python), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+        proc = subprocess.run([str(python), "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider",
                                *(["-m", "xla"] if mutant.xla else []), *mutant.tests],
                               cwd=tree, env=env, capture_output=True, text=True)
         took = time.monotonic() - start
     out = proc.stdout + proc.stderr
     if proc.returncode == 0:
-        return "MISSED", "the tests passed", took
-    first = next((line for line in out.splitlines() if re.match(r"^E\s+\S", line)), "")
-    if proc.returncode != 1 or "Timeout" in out:
-        return "error", f"pytest exit {proc.returncode}: {first or out.strip().splitlines()[-1]}", took
-    failed = next((line for line in out.splitlines() if line.startswith("FAILED")), "")
-    return "caught", f"{failed} | {first.strip()[:300]}", took
+        return "MISSED", ["the tests passed"], took
+    failed = [line[len("FAILED "):][:400] for line in out.splitlines() if line.startswith("FAILED ")]
+    # the parity groups list each failing case ("stage N <options>: <first difference>")
+    cases = dict.fromkeys(m.group(1)[:160] for m in re.finditer(r"^E\s+(stage \d.*)$", out, flags=re.M))
+    failed += [f"  case {case}" for case in cases]
+    if proc.returncode != 1 or "+ Timeout +" in out or not failed:
+        return "error", [f"pytest exit {proc.returncode}: {out.strip().splitlines()[-1]}"], took
+    return "caught", failed, took
 
 
 def main() -> int:
@@ -142,9 +145,11 @@ def main() -> int:
         parser.error(f"no such mutant; the mutants: {', '.join(m.name for m in MUTANTS)}")
     results = []
     for mutant in chosen:
-        verdict, detail, took = run(mutant)
+        verdict, details, took = run(mutant)
         results.append(verdict)
-        print(f"{mutant.name}: {verdict} in {took:.0f} s -- {mutant.what}\n    {detail}", flush=True)
+        print(f"{mutant.name}: {verdict} in {took:.0f} s -- {mutant.what}", flush=True)
+        for line in details:
+            print(f"    {line}", flush=True)
     caught = results.count("caught")
     print(f"{caught} of {len(results)} mutants caught")
     return 0 if caught == len(results) else 1

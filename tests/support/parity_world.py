@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from support.distributed import run_workers
-from support.sharding_harness import assert_matches, reference, run_cases
+from support.sharding_harness import CASE, assert_matches, reference, run_cases
 
 #: the module constant a parity file declares its 2-rank cases in
 GROUPS_ATTR = "WORLD2_GROUPS"
@@ -46,6 +46,23 @@ def run_shared(world_size: int, by_module: dict[str, dict[str, list[dict[str, An
 
 def check_group(cases: list[dict[str, Any]], results: list[list[dict[str, Any]]], label: str, atol: float,
                 rtol: float = 0.0) -> None:
-    """Every case of a group matches plain PyTorch on the full batch (``sharding_harness.assert_matches``)."""
+    """Every case of a group matches plain PyTorch on the full batch (``sharding_harness.assert_matches``).
+
+    Every case is checked before the test fails, and the failure lists each failing case (its stage and
+    the options that differ from the default case) with the first thing that differed: a bug in one
+    stage's path and a bug in all of them read differently.
+    """
+    failures = []
     for c, per_rank in zip(cases, results, strict=True):
-        assert_matches(per_rank, reference(c), atol=atol, rtol=rtol, label=f"{label} case {c}")
+        name = f"stage {c['stage']} {describe(c)}"
+        try:
+            assert_matches(per_rank, reference(c), atol=atol, rtol=rtol, label=name)
+        except AssertionError as exc:
+            failures.append(str(exc).splitlines()[0] if str(exc) else f"{name}: differs")
+    assert not failures, f"{len(failures)} of {len(cases)} {label} cases differ from plain PyTorch:\n" + \
+        "\n".join(failures)
+
+
+def describe(c: dict[str, Any]) -> str:
+    """A case's options that differ from the default case (``sharding_harness.CASE``), stage aside."""
+    return ", ".join(f"{k}={v!r}" for k, v in c.items() if k != "stage" and CASE[k] != v) or "default"
