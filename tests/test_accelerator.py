@@ -3,7 +3,8 @@
 The sharded runs use 2 real gloo processes, one started job for most of them (``two_ranks``: starting
 processes costs more than the cases). The reference is plain PyTorch in one process on the
 full batch (batch per rank x world size x accumulation steps), clipping with
-``torch.nn.utils.clip_grad_norm_``. Accumulation and clipping come from the config only.
+``torch.nn.utils.clip_grad_norm_``. Accumulation comes from the config only; the parity cases clip
+from the config, in the loop, or not at all (``CLIPPING``).
 """
 
 from __future__ import annotations
@@ -12,11 +13,20 @@ import pytest
 import torch
 from support.distributed import run_workers
 from support.models import RegressionNet, regression_data
+from support.sharding_harness import GRAD_RTOL
 from torch.utils.data import DataLoader, TensorDataset
 
 from xshard.data import ShardSampler
 
 N, DIM, BATCH, WORLD, ACCUM, CLIP = 32, 8, 2, 2, 2, 0.05
+
+#: the parity cases, by who clips: (the config's ``gradient_clipping``, the ``max_norm`` the loop passes to
+#: ``acc.clip_grad_norm_`` under ``acc.sync_gradients``). "config": ``optimizer.step()`` clips and the loop
+#: never sees the norm; "loop": the loop clips and gets the norm before clipping; "none": no clipping, the
+#: loop reads the norm (``max_norm=inf``). CLIP clips every step, and clipping with AdamW cancels a uniform
+#: gradient scale in the weights and losses (AdamW alone nearly does): only the norms show a wrong average.
+CLIPPING: dict[str, tuple[float | None, float | None]] = {
+    "config": (CLIP, None), "loop": (None, CLIP), "none": (None, float("inf"))}
 
 
 def _data() -> TensorDataset:
@@ -36,14 +46,16 @@ def _optimizer(model):
     return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
 
-def _reference(epochs: int = 1):
-    """Plain PyTorch, one process, the full batch of each optimizer step."""
+def _reference(epochs: int = 1, max_norm: float = CLIP, grad_scale: float = 1.0) -> dict:
+    """Plain PyTorch, one process, the full batch of each optimizer step; each step's gradient norm
+    before clipping to ``max_norm`` (inf: no clipping). ``grad_scale`` multiplies every gradient before
+    clipping: the mutation a wrong average makes (2.0: a SUM over 2 ranks; 0.5: a divide done twice)."""
     model = _model()
     opt, sched = _optimizer(model)
     data = _data()
     sampler = ShardSampler(N, 1, 0, shuffle=True, seed=0)
     step_size = BATCH * WORLD * ACCUM
-    losses = []
+    losses, norms = [], []
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         order = list(sampler)
@@ -51,23 +63,29 @@ def _reference(epochs: int = 1):
             idx = order[s * step_size:(s + 1) * step_size]
             loss = model(*data[idx])
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            if grad_scale != 1.0:
+                for p in model.parameters():
+                    p.grad.mul_(grad_scale)
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
             opt.step()
             for _ in range(WORLD):  # Accelerate's rule: one schedule step per process per optimizer step
                 sched.step()
             opt.zero_grad()
             losses.append(loss.item())
-    return model.state_dict(), losses, sched.get_last_lr()
+    return {"state": model.state_dict(), "losses": losses, "lr": sched.get_last_lr(), "norms": norms}
 
 
-def _train(acc, model, opt, loader, sched, epochs):
-    """The loop a user writes once (DESIGN.md), no accumulation or clipping arguments."""
+def _train(acc, model, opt, loader, sched, epochs, max_norm=None, norms=None):
+    """The loop a user writes once (DESIGN.md), no accumulation arguments; with ``max_norm``, it clips
+    under ``acc.sync_gradients`` and appends the norms ``clip_grad_norm_`` returns to ``norms``."""
     micro_losses = []
     for _ in range(epochs):
         for batch in loader:
             with acc.accumulate(model), acc.autocast():
                 loss = model(*batch)
                 acc.backward(loss)
+                if max_norm is not None and acc.sync_gradients:
+                    norms.append(acc.clip_grad_norm_(model.parameters(), max_norm).item())
                 opt.step()
                 sched.step()
                 opt.zero_grad()
@@ -75,10 +93,12 @@ def _train(acc, model, opt, loader, sched, epochs):
     return micro_losses
 
 
-def _prepared(stage, extra=None):
+def _prepared(stage, extra=None, clip=CLIP):
     import xshard
 
-    config = {"stage": stage, "gradient_accumulation_steps": ACCUM, "gradient_clipping": CLIP, **(extra or {})}
+    config = {"stage": stage, "gradient_accumulation_steps": ACCUM, **(extra or {})}
+    if clip is not None:
+        config["gradient_clipping"] = clip
     acc = xshard.Accelerator(config=config, seed=0)
     model = _model()
     opt, sched = _optimizer(model)  # built before prepare: the parameters stay valid
@@ -87,13 +107,15 @@ def _prepared(stage, extra=None):
 
 
 def _parity_worker(rank, world_size, stages, epochs):
-    results = {}
-    for stage in stages:
-        acc, model, opt, loader, sched = _prepared(stage)
-        micro = _train(acc, model, opt, loader, sched, epochs)
-        full = acc.full_state_dict(model)
-        results[stage] = {"state": full, "micro": micro, "lr": sched.get_last_lr(),
-                          "sync_at_end": acc.sync_gradients}
+    results: dict[str, dict] = {}
+    for name, (config_clip, loop_clip) in CLIPPING.items():
+        results[name] = {}
+        for stage in stages:
+            acc, model, opt, loader, sched = _prepared(stage, clip=config_clip)
+            norms: list[float] = []
+            micro = _train(acc, model, opt, loader, sched, epochs, loop_clip, norms)
+            results[name][stage] = {"state": acc.full_state_dict(model), "micro": micro, "norms": norms,
+                                    "lr": sched.get_last_lr()}
     return results
 
 
@@ -119,20 +141,57 @@ def two_ranks(tmp_path_factory) -> dict[str, list]:
     return {"folder": folder, **{name: [r[name] for r in per_rank] for name in per_rank[0]}}
 
 
+def _assert_matches(per_rank: list[dict], ref: dict, label: str) -> None:
+    """One case's run on every rank equals the reference: each rank's gradient norm before clipping at
+    every optimizer step (within ``GRAD_RTOL``; checked first, as the one comparison a wrong average
+    cannot pass), then rank 0's full weights, its window losses and the learning rate."""
+    for rank, res in enumerate(per_rank):
+        assert len(res["norms"]) == len(ref["norms"]), f"{label} rank {rank}: {len(res['norms'])} gradient norms"
+        for step, (mine, theirs) in enumerate(zip(res["norms"], ref["norms"], strict=True)):
+            assert abs(mine - theirs) <= GRAD_RTOL * abs(theirs), (
+                f"{label} step {step} rank {rank}: gradient norm {mine} vs reference {theirs} "
+                f"(ratio {mine / theirs:.4f})")
+    res = per_rank[0]
+    assert res["state"].keys() == ref["state"].keys()
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(res["state"][key], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, k=key: f"{label}, {k}: {m}")
+    # the mean of each window's two micro-batch losses is the reference's full-batch loss
+    windows = [sum(res["micro"][i:i + ACCUM]) / ACCUM for i in range(0, len(res["micro"]), ACCUM)]
+    assert windows == pytest.approx(ref["losses"], rel=1e-5, abs=1e-6), label
+    assert res["lr"] == pytest.approx(ref["lr"]), label  # the scheduler stepped WORLD times per optimizer step
+
+
+def _check_parity(two_ranks) -> None:
+    """Every clipping case at every stage against the reference that clips (or not) alike."""
+    for name, (config_clip, loop_clip) in CLIPPING.items():
+        ref = _reference(2, config_clip or loop_clip)
+        if loop_clip is None:  # optimizer.step() clips: the loop reads no norm
+            ref["norms"] = []
+        for stage in two_ranks["parity"][0][name]:
+            _assert_matches([r[name][stage] for r in two_ranks["parity"]], ref, f"clipping {name}, stage {stage}")
+
+
 @pytest.mark.multiprocess
 def test_every_stage_matches_single_process_pytorch_with_accumulation_and_clipping(two_ranks):
-    ref_state, ref_losses, ref_lr = _reference(epochs=2)
-    results = two_ranks["parity"]
-    for stage, res in results[0].items():
-        assert res["state"].keys() == ref_state.keys()
-        for key, value in ref_state.items():
-            torch.testing.assert_close(res["state"][key], value, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, k=key, s=stage: f"stage {s}, {k}: {m}")
-        # the mean of each window's two micro-batch losses is the reference's full-batch loss
-        windows = [sum(res["micro"][i:i + ACCUM]) / ACCUM for i in range(0, len(res["micro"]), ACCUM)]
-        assert windows == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-        assert res["lr"] == pytest.approx(ref_lr)  # the scheduler stepped WORLD times per optimizer step
-    assert results[1][3]["state"] == {}  # full weights are gathered to rank 0 only
+    _check_parity(two_ranks)
+    assert all(r["state"] == {} for c in two_ranks["parity"][1].values() for r in c.values())  # rank 0 only
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("scale", [2.0, 0.5])
+def test_a_wrong_gradient_scale_fails_the_parity_comparison(two_ranks, scale):
+    """The mutation a SUM in place of an AVG (2x on 2 ranks) or a divide done twice (0.5x) makes: the
+    reference with its gradients scaled must fail the comparison in every case that reads the norm (the
+    weights and losses alone match it: clipping and AdamW cancel a uniform scale)."""
+    for name, (_, loop_clip) in CLIPPING.items():
+        if loop_clip is None:
+            continue
+        ref = _reference(2, loop_clip, grad_scale=scale)
+        for stage in two_ranks["parity"][0][name]:
+            with pytest.raises(AssertionError, match="gradient norm"):
+                _assert_matches([r[name][stage] for r in two_ranks["parity"]], ref,
+                                f"x{scale} clipping {name}, stage {stage}")
 
 
 def _accumulation_worker(rank, world_size):
