@@ -119,7 +119,7 @@ def world2(request, _parity_world2_results):
 
 def pytest_terminal_summary(terminalreporter) -> None:
     """Name the vendor releases the conformance checks ran against (tests/test_vendor_conformance.py;
-    the README's support matrix records them)."""
+    the support matrix in docs/backends.md records them)."""
     ran = [r for reports in terminalreporter.stats.values() for r in reports
            if getattr(r, "when", None) == "call" and "test_vendor_conformance" in getattr(r, "nodeid", "")]
     if not ran:

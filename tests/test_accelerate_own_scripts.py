@@ -21,7 +21,7 @@ Known gaps, run as strict xfails with the failure they show (``KnownGap``), so a
 - ``test_sync.py`` at stage 3: it compares each ``param.grad`` of the prepared model with a plain
   model's. At stages 1-3 ``param.grad`` holds this rank's rows of the reduced gradient after a
   window and is None inside one (the gradients are held whole in the core until the window ends, as
-  FSDP2 holds them unsharded), see the README's "Stages 1-3: what a script sees".
+  FSDP2 holds them unsharded), see "Stages 1-3: what a script sees" in docs/sharded-core.md.
 - ``training_check`` of ``test_script.py`` at stage 3: ``unwrap_model(model).a`` is this rank's rows
   of the scalar (shape (1,) on rank 0), which ``torch.testing.assert_close`` refuses by shape.
 

@@ -4,7 +4,7 @@ Every import a module runs (at module level or inside a function; annotations un
 ``TYPE_CHECKING`` excluded, since they never run) is an edge. No module may reach itself, and the
 packages (xshard.sharding, xshard.checkpoint, xshard.config, xshard.cli, xshard.trainer,
 xshard.accelerate_compat, xshard.backends and the top-level modules) form no circle either. The
-README's ARCHITECTURE drawing is this graph.
+drawing in docs/architecture.md is this graph.
 
 Accelerate's compatibility surface (``xshard.accelerate_compat``) sits between the user API and the
 job machinery: only the user API and Accelerate's import paths (``xshard.state`` ..., thin modules
@@ -128,7 +128,7 @@ def test_the_core_knows_nothing_of_the_user_api() -> None:
 USER_API = {"xshard", "xshard.accelerator", "xshard.trainer"}
 #: Accelerate's import paths, each a thin module re-exporting one of xshard.accelerate_compat's
 ACCELERATE_PATHS = {"xshard.state", "xshard.utils", "xshard.tracking", "xshard.metrics"}
-#: what the Accelerator is made of (the README's "Which module is which")
+#: what the Accelerator is made of (docs/architecture.md, "Which module is which")
 JOB_MACHINERY = {"xshard.job", "xshard.precision", "xshard.prepared", "xshard.data", "xshard.static_shapes",
                  "xshard.rebind", "xshard.grads", "xshard.log", "xshard.launch_marker", "xshard.checkpoint",
                  "xshard.config", "xshard.sharding"}

@@ -1,7 +1,7 @@
 """The users' scripts on real torch_xla (XLA:CPU), through their own entry points.
 
 - examples/minimal.py (optimizer built before ``prepare``, as it may be), started by ``xshard launch``
-  as the README says: on one XLA device it learns exactly as on the CPU backend (the Parameters
+  as docs/backends.md says: on one XLA device it learns exactly as on the CPU backend (the Parameters
   replaced on the device are rebound in the optimizer); on two XLA:CPU devices it learns as two CPU
   processes do. Not to the last digit there: XLA:CPU's replicas are threads of one process, whose
   models draw their random initial weights from one shared generator, so rank 0's weights (which
@@ -66,7 +66,7 @@ def _env_the_launcher_decides() -> dict[str, str]:
 
 
 def test_the_readmes_two_device_command_learns_as_two_cpu_processes_do() -> None:
-    """`XSHARD_BACKEND=xla PJRT_DEVICE=CPU xshard launch --nproc 2 examples/minimal.py`, as the README
+    """`XSHARD_BACKEND=xla PJRT_DEVICE=CPU xshard launch --nproc 2 examples/minimal.py`, as docs/backends.md
     gives it (2048 samples, 4 epochs: 256 steps a replica), once, with no retry; then the same command on
     two CPU processes, whose losses it must follow."""
     pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla")

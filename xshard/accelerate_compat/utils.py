@@ -4,7 +4,7 @@
 ``from xshard.utils import set_seed, ProjectConfiguration``. The configuration classes take
 Accelerate's field names and defaults; ``xshard.Accelerator`` also accepts Accelerate's own objects
 of the same names (it reads their fields), so a script that still imports them from ``accelerate``
-keeps working. What each field does in xshard is in the README's compatibility table.
+keeps working. What each field does in xshard is in docs/accelerate-scripts.md.
 """
 
 from __future__ import annotations
