@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from .base import Backend, StepPatch, World
 from .collectives import Collectives, CommCounter, DistCollectives, Handle, SingleProcessCollectives
-from .errors import (
+from ..errors import (
     BackendConflictError,
     BackendUnavailableError,
     UnknownBackendError,

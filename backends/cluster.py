@@ -31,7 +31,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .errors import WorldEnvironmentError
+from ..errors import WorldEnvironmentError
 
 __all__ = ["ClusterEnvironment", "detect", "first_host", "launch_placement", "tasks_per_node"]
 

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveMismatchError, CollectiveTimeoutError, RankDiedError
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError, RankDiedError
 from .monitor import CollectiveMonitor
 
 if TYPE_CHECKING:

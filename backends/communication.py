@@ -29,7 +29,7 @@ if dist.is_available():  # a torch built without distributed has no group to kee
 
 from . import monitor
 from .collectives import IN_FLIGHT, Collectives, DistCollectives, SingleProcessCollectives
-from .errors import WorldEnvironmentError, WorldSizeError
+from ..errors import WorldEnvironmentError, WorldSizeError
 from .world import DEFAULT_MASTER_ADDR as DEFAULT_MASTER_ADDR  # re-exported: defined with World now
 from .world import DEFAULT_MASTER_PORT as DEFAULT_MASTER_PORT
 from .world import World

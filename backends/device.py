@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .errors import BackendUnavailableError
+from ..errors import BackendUnavailableError
 from .world import World
 
 

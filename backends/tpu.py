@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from .base import Backend, World
-from .errors import BackendUnavailableError
+from ..errors import BackendUnavailableError
 from .vendor import AUTOLOAD_ENV, import_vendor, torch_release
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterable, MutableMapping
 
 from .base import Backend
-from .errors import VisibleDevicesError
+from ..errors import VisibleDevicesError
 
 log = logging.getLogger("xshard.backends")
 

@@ -19,7 +19,7 @@ import pytest
 from support.distributed import free_port
 from xshard.backends import World
 from xshard.backends.cluster import SLURM_PORT_BASE, detect, first_host, tasks_per_node
-from xshard.backends.errors import WorldEnvironmentError
+from xshard.errors import WorldEnvironmentError
 
 from xshard.cli.launch import LaunchOptions, plan_launch
 

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from xshard.backends.errors import XShardError
+from xshard.errors import XShardError
 
 from xshard.config import XShardConfig, XShardConfigError, XShardConfigWarning
 

@@ -32,7 +32,7 @@ def _done(out: str) -> None:
 
 def _stuck_worker(rank: int, world: int, out: str) -> dict:
     import torch
-    from xshard.backends.errors import CollectiveTimeoutError
+    from xshard.errors import CollectiveTimeoutError
 
     import xshard
 
@@ -70,7 +70,7 @@ def test_a_rank_that_never_arrives_is_named_within_the_timeout(tmp_path) -> None
 
 def _barrier_worker(rank: int, world: int, where: str, out: str) -> dict:
     import torch
-    from xshard.backends.errors import XShardError
+    from xshard.errors import XShardError
 
     import xshard
 
@@ -119,7 +119,7 @@ def _killed_peer_worker(rank: int, world: int, victim: int) -> dict:
     import signal
 
     import torch
-    from xshard.backends.errors import XShardError
+    from xshard.errors import XShardError
 
     import xshard
 

@@ -114,14 +114,22 @@ def test_no_package_imports_itself_through_others() -> None:
     assert cycles(package_graph(import_graph())) == []
 
 
+#: the leaf every layer imports its errors from
+ERRORS = "xshard.errors"
+
+
+def test_the_errors_are_the_leaf_of_the_graph() -> None:
+    assert import_graph()[ERRORS] == set()
+
+
 def test_the_device_layer_knows_nothing_of_sharding_or_the_user_api() -> None:
     reached = {t for m, ts in import_graph().items() if m.startswith("xshard.backends") for t in ts}
-    assert {package_of(t) for t in reached} <= {"xshard.backends"}
+    assert {package_of(t) for t in reached} <= {"xshard.backends", ERRORS}
 
 
 def test_the_core_knows_nothing_of_the_user_api() -> None:
     reached = {package_of(t) for m, ts in import_graph().items() if m.startswith("xshard.sharding") for t in ts}
-    assert reached <= {"xshard.sharding", "xshard.backends"}
+    assert reached <= {"xshard.sharding", "xshard.backends", ERRORS}
 
 
 #: the user API: what a script imports to train

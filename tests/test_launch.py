@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from support.distributed import free_port
 from xshard.backends import Backend, Selection
-from xshard.backends.errors import XShardError
+from xshard.errors import XShardError
 from xshard.backends.launchers import SingleLauncher, XLALauncher
 
 from xshard.cli.launch import LaunchError, LaunchOptions, plan_launch

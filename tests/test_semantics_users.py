@@ -231,7 +231,7 @@ class Branchy(nn.Module):
 
 def _divergent_worker(rank: int, world: int, stage: int) -> dict:
     from support.sharding_harness import init_backend
-    from xshard.backends.errors import CollectiveMismatchError
+    from xshard.errors import CollectiveMismatchError
 
     from xshard.sharding import ShardingOptions, shard_model
 

@@ -17,7 +17,7 @@ import torch
 import transformers
 from support.toy_backend import ToyBackend
 from xshard.backends import register_backend, unregister_backend
-from xshard.backends.errors import XShardError
+from xshard.errors import XShardError
 
 from xshard.config import XShardConfigError, XShardConfigWarning
 from xshard.sharding.wrap import split_into_units

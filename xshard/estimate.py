@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from xshard.backends.errors import XShardError
+from xshard.errors import XShardError
 from xshard.sharding.options import ShardingOptions, normalise_stage
 from xshard.sharding.plan import GradReduction, ReduceTiming, ShardingPlan
 

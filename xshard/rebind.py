@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .backends.errors import XShardError
+from .errors import XShardError
 
 
 class StaleParameterError(XShardError, RuntimeError):

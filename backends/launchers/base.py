@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from ..errors import XShardError
+from ...errors import XShardError
 from .parent_death import PARENT_ENV
 
 if TYPE_CHECKING:

@@ -38,7 +38,7 @@ from typing import IO, Any, cast
 
 import torch
 
-from ..backends.errors import XShardError
+from ..errors import XShardError
 from . import checksum, direct_io
 from .manifest_check import check_manifest, is_plain_name
 from .tensorfile import PT_METADATA, HashingFile, write_bytes, write_safetensors

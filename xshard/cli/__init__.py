@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TorchImportError as exc:
         print(f"xshard: error: {exc}", file=sys.stderr)
         return 2
-    from xshard.backends.errors import XShardError
+    from xshard.errors import XShardError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     # `launch` passes everything after the script through untouched: parse it without building

@@ -21,7 +21,7 @@ import torch
 
 from xshard._version import __version__
 from xshard.backends import AUTO_ORDER, ENV_VAR, Backend, Selection, backend_class, cluster
-from xshard.backends.errors import XShardError
+from xshard.errors import XShardError
 
 #: torchrun's variables, shown when set
 LAUNCH_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from xshard.backends.errors import XShardError
+from xshard.errors import XShardError
 from xshard.sharding.options import GROUP_SIZE_NAMES, strategy
 
 #: sentinel for "use the framework's choice" in DeepSpeed and HF Trainer files

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xshard.backends.errors import XShardError
+from xshard.errors import XShardError
 
 #: Every name of a sharding strategy (FSDP's and ZeRO's, any case) -> (ZeRO stage, hybrid?). Hybrid
 #: strategies shard within each node and replicate across nodes (``shard_group_size`` "node"). The one

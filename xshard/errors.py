@@ -1,4 +1,9 @@
-"""Errors a user sees from the device layer. Each names the problem and the fix."""
+"""xshard's errors: the root ``XShardError`` and the errors a user sees from the device layer.
+
+The leaf of the import graph: every layer (the device layer ``xshard.backends``, the sharded core,
+checkpoints, config, the CLI) imports its errors from here and nothing here imports xshard. Each
+error's message names the problem and the fix.
+"""
 
 from __future__ import annotations
 
