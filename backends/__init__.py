@@ -32,8 +32,6 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .base import Backend, StepPatch, World
-from .collectives import Collectives, CommCounter, DistCollectives, Handle, SingleProcessCollectives
 from ..errors import (
     BackendConflictError,
     BackendUnavailableError,
@@ -43,6 +41,8 @@ from ..errors import (
     WorldSizeError,
     XShardError,
 )
+from .base import Backend, StepPatch, World
+from .collectives import Collectives, CommCounter, DistCollectives, Handle, SingleProcessCollectives
 from .vendor import VendorImport, import_vendor
 from .visible_devices import apply_visible_devices, parse_devices, visible_devices_value
 

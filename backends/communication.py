@@ -27,9 +27,9 @@ import torch.distributed as dist
 if dist.is_available():  # a torch built without distributed has no group to keep
     import torch.distributed.nn.functional  # noqa: F401
 
+from ..errors import WorldEnvironmentError, WorldSizeError
 from . import monitor
 from .collectives import IN_FLIGHT, Collectives, DistCollectives, SingleProcessCollectives
-from ..errors import WorldEnvironmentError, WorldSizeError
 from .world import DEFAULT_MASTER_ADDR as DEFAULT_MASTER_ADDR  # re-exported: defined with World now
 from .world import DEFAULT_MASTER_PORT as DEFAULT_MASTER_PORT
 from .world import World

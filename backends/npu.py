@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from ..errors import BackendUnavailableError
 from .base import Backend, World
 from .bound_device import ask_bound_device
-from ..errors import BackendUnavailableError
 from .vendor import AUTOLOAD_ENV, import_vendor, torch_release
 
 #: a pip requirement that matches torch-npu X.Y.Z and its X.Y.Z.postN rebuilds

@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from .base import Backend, World
 from ..errors import BackendUnavailableError
+from .base import Backend, World
 from .vendor import AUTOLOAD_ENV, import_vendor, torch_release
 
 if TYPE_CHECKING:

@@ -17,8 +17,8 @@ import logging
 import os
 from collections.abc import Iterable, MutableMapping
 
-from .base import Backend
 from ..errors import VisibleDevicesError
+from .base import Backend
 
 log = logging.getLogger("xshard.backends")
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 from support.distributed import free_port
+
 from xshard.backends import World
 from xshard.backends.cluster import SLURM_PORT_BASE, detect, first_host, tasks_per_node
-from xshard.errors import WorldEnvironmentError
-
 from xshard.cli.launch import LaunchOptions, plan_launch
+from xshard.errors import WorldEnvironmentError
 
 SCRIPT = Path(__file__).resolve().parent / "support" / "cluster_train.py"
 NODES = "127.0.0.[1-2]"

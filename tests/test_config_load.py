@@ -7,9 +7,9 @@ import warnings
 
 import pytest
 import torch
-from xshard.errors import XShardError
 
 from xshard.config import XShardConfig, XShardConfigError, XShardConfigWarning
+from xshard.errors import XShardError
 
 
 @pytest.fixture

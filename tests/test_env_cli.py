@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from support.distributed import free_port
-from xshard.backends import World
 
+from xshard.backends import World
 from xshard.cli.env_check import run_checks
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -32,9 +32,9 @@ def _done(out: str) -> None:
 
 def _stuck_worker(rank: int, world: int, out: str) -> dict:
     import torch
-    from xshard.errors import CollectiveTimeoutError
 
     import xshard
+    from xshard.errors import CollectiveTimeoutError
 
     acc = xshard.Accelerator(stage=3, seed=0, auto_wrap_policy="size", min_num_params=50)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -70,9 +70,9 @@ def test_a_rank_that_never_arrives_is_named_within_the_timeout(tmp_path) -> None
 
 def _barrier_worker(rank: int, world: int, where: str, out: str) -> dict:
     import torch
-    from xshard.errors import XShardError
 
     import xshard
+    from xshard.errors import XShardError
 
     acc = xshard.Accelerator(stage=3, seed=0)
     model = torch.nn.Linear(4, 4)
@@ -119,9 +119,9 @@ def _killed_peer_worker(rank: int, world: int, victim: int) -> dict:
     import signal
 
     import torch
-    from xshard.errors import XShardError
 
     import xshard
+    from xshard.errors import XShardError
 
     acc = xshard.Accelerator(stage=3, seed=0, auto_wrap_policy="size", min_num_params=50)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))

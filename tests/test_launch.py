@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 from support.distributed import free_port
-from xshard.backends import Backend, Selection
-from xshard.errors import XShardError
-from xshard.backends.launchers import SingleLauncher, XLALauncher
 
+from xshard.backends import Backend, Selection
+from xshard.backends.launchers import SingleLauncher, XLALauncher
 from xshard.cli.launch import LaunchError, LaunchOptions, plan_launch
+from xshard.errors import XShardError
 
 pytestmark = pytest.mark.multiprocess
 

@@ -231,8 +231,8 @@ class Branchy(nn.Module):
 
 def _divergent_worker(rank: int, world: int, stage: int) -> dict:
     from support.sharding_harness import init_backend
-    from xshard.errors import CollectiveMismatchError
 
+    from xshard.errors import CollectiveMismatchError
     from xshard.sharding import ShardingOptions, shard_model
 
     backend = init_backend()

@@ -16,10 +16,10 @@ import pytest
 import torch
 import transformers
 from support.toy_backend import ToyBackend
-from xshard.backends import register_backend, unregister_backend
-from xshard.errors import XShardError
 
+from xshard.backends import register_backend, unregister_backend
 from xshard.config import XShardConfigError, XShardConfigWarning
+from xshard.errors import XShardError
 from xshard.sharding.wrap import split_into_units
 from xshard.trainer import TrainingArguments, TrainingArgumentsMixin, sharding_config
 
