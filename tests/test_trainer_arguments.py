@@ -2,7 +2,9 @@
 
 One process, no process group: ``--deepspeed`` with "auto" values and DeepSpeed not installed, the
 ``--fsdp`` words, the XLA fsdp_config (units by ``_no_split_modules``), ``--bf16`` with the device check,
-the transformers-4 names of the openMind guide, and the warnings/errors for what xshard cannot honour.
+the transformers-4 names of the openMind guide, the warnings/errors for what xshard cannot honour, and
+arguments bound to the job (xshard's, TRL's ``SFTConfig``, stock) that still save (``training_args.bin``),
+deep-copy and serialise.
 """
 
 from __future__ import annotations
@@ -290,3 +292,74 @@ def test_the_mixin_joins_trls_sft_config(tmp_path):
     # TRL turns bf16 on by default; the stock class refuses that on a CPU, xshard computes in bf16 here
     assert args.bf16 and config.mixed_precision == "bf16"
     assert (config.stage, config.train_micro_batch_size_per_gpu) == (3, args.per_device_train_batch_size)
+
+
+# ------------------------------------------------------------------------------------------ saving and copying
+
+def _bound(kind: str, tmp_path):
+    """Arguments of ``kind`` as the Trainer holds them on xshard: bound to the job's Accelerator by the mixin
+    (``create_accelerator_and_postprocess``), their backend as a running job leaves it."""
+    from xshard.trainer.runtime import bind_arguments, build_accelerator
+
+    out = str(tmp_path / kind)
+    if kind == "xshard":
+        args = TrainingArguments(output_dir=out, report_to="none")
+    elif kind == "trl":
+        import trl
+
+        args = trl.SFTConfig(output_dir=out, report_to="none", bf16=False, max_length=64)
+    else:
+        args = transformers.TrainingArguments(output_dir=out, report_to="none")
+    accelerator = build_accelerator(args)
+    bind_arguments(args, accelerator)
+    # a job's collectives hold locks (their counters, the hang watchdog); on 2 processes the barrier of
+    # args.main_process_first() and the Trainer's every gather reach them, in one process this does
+    args.distributed_state.backend.collectives.barrier()
+    return args
+
+
+@pytest.mark.parametrize("kind", ["xshard", "trl", "stock"])
+def test_bound_arguments_save_copy_and_serialise(tmp_path, kind):
+    import copy
+    import io
+
+    from xshard.trainer.arguments import SavedPlace
+
+    args = _bound(kind, tmp_path)
+    assert (args.world_size, args.process_index, args.device) == (1, 0, torch.device("cpu"))
+
+    saved = io.BytesIO()
+    torch.save(args, saved)  # what the Trainer writes as training_args.bin in every checkpoint
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    assert type(loaded) is type(args) and loaded.to_dict() == args.to_dict()
+    # the saved arguments describe the run that saved them, joined to no job
+    assert (loaded.world_size, loaded.process_index, loaded.device, loaded.should_save) == (1, 0, torch.device("cpu"),
+                                                                                            True)
+    assert isinstance(loaded.distributed_state.backend, SavedPlace)
+    again = io.BytesIO()
+    torch.save(copy.deepcopy(loaded), again)  # saved arguments copy and save again, as they are
+    again.seek(0)
+    assert torch.load(again, weights_only=False).distributed_state.backend == loaded.distributed_state.backend
+
+    copied = copy.deepcopy(args)
+    assert copied.to_dict() == args.to_dict() and copied.output_dir == args.output_dir
+    # a copy answers from the same job: the process has one place in it
+    assert copied.distributed_state.backend is args.distributed_state.backend
+    with copied.main_process_first():
+        pass
+
+    assert json.loads(args.to_json_string())["output_dir"] == args.output_dir
+    assert json.loads(json.dumps(args.to_dict())) == json.loads(args.to_json_string())
+
+
+def test_a_saved_distributed_state_of_two_processes_refuses_to_wait_for_them():
+    from xshard.backends.world import World
+
+    from xshard.trainer.arguments import SavedPlace, XShardDistributedState
+
+    state = XShardDistributedState(SavedPlace("cpu", "cpu", World(rank=1, world_size=2, local_rank=1), "cpu"))
+    assert (state.process_index, state.num_processes, state.is_main_process, state.device) == (1, 2, False,
+                                                                                             torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="unpickled.*process 1 of the 2 .*joined to no job"):
+        state.wait_for_everyone()

@@ -63,7 +63,23 @@ def _torch_has_accelerator() -> bool:
 class XShardDistributedState:
     """``args.distributed_state``: where this process sits, answered by xshard's backend.
 
-    The members the arguments and the Trainer read from Accelerate's ``PartialState``."""
+    The members the arguments and the Trainer read from Accelerate's ``PartialState``.
+
+    Design note: the backend is this process's place in the running job (its process group, store,
+    collectives and their locks and watchdog thread), and none of that can be saved or copied; yet the
+    Trainer writes its arguments with ``torch.save(self.args)`` (``training_args.bin``, in every checkpoint
+    and in ``save_model``'s folder) and scripts copy them (``copy.deepcopy``). So, on any arguments class
+    that holds this state (xshard's own, or stock and TRL arguments that ``bind_arguments`` bound):
+
+    - a copy (``copy.copy``, ``copy.deepcopy``) answers from the same backend: the process has one place in
+      the job, as every ``PartialState`` of a process shares Accelerate's one state;
+    - a pickle (``torch.save``, ``pickle``) keeps what the state answers and not the backend, as a pickled
+      ``PartialState`` keeps its values: unpickled, it describes the saving process (its rank, world
+      size, device, distributed type) and is joined to no job, so ``wait_for_everyone`` on more than one
+      process raises instead of waiting for peers that are not there.
+
+    ``to_dict`` and ``to_json_string`` never see the state: they read the dataclass fields only.
+    """
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
@@ -112,9 +128,44 @@ class XShardDistributedState:
         if self.num_processes > 1:
             self.backend.collectives.barrier()
 
+    def __copy__(self) -> XShardDistributedState:
+        return type(self)(self.backend)  # the same place in the same job (see the design note)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> XShardDistributedState:
+        return self.__copy__()
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return type(self), (SavedPlace.of(self.backend),)  # the values, not the backend (see the design note)
+
     def __repr__(self) -> str:
         return (f"XShardDistributedState(backend={self.backend.name}, process {self.process_index} of "
                 f"{self.num_processes}, device {self.device})")
+
+
+@dataclass(frozen=True)
+class SavedPlace:
+    """What a pickled ``XShardDistributedState`` keeps of its backend: the members the state reads, as
+    they were when it was pickled (see ``XShardDistributedState``'s design note)."""
+
+    name: str
+    device_type: str
+    world: Any  # xshard.backends.world.World, a frozen dataclass of numbers and names
+    device_name: str  # str(torch.device): loads where the device's runtime is not installed
+
+    @classmethod
+    def of(cls, backend: Any) -> SavedPlace:
+        """The place ``backend`` (a Backend, or a SavedPlace pickled again) answers now."""
+        return cls(backend.name, backend.device_type, backend.world, str(backend.device()))
+
+    def device(self) -> torch.device:
+        return torch.device(self.device_name)
+
+    @property
+    def collectives(self) -> Any:
+        raise RuntimeError(
+            f"these arguments were unpickled (training_args.bin): their distributed_state describes process "
+            f"{self.world.rank} of the {self.world.world_size} of the {self.name} job that saved them, and is joined "
+            "to no job, so it cannot wait for the other processes; arguments built in this job answer from it")
 
 
 class TrainingArgumentsMixin(_ArgumentsHost):

@@ -14,7 +14,9 @@
 
 ``bind_arguments`` makes stock arguments agree with the job: their ``world_size``, ``process_index``,
 ``device`` and ``should_save`` then answer from xshard's backend (stock arguments on a CPU under a launcher
-otherwise see one process of one, on every rank).
+otherwise see one process of one, on every rank). What it attaches (an ``XShardDistributedState``, the device,
+``_n_gpu``) leaves ``torch.save(args)`` (the Trainer's ``training_args.bin``), ``copy.deepcopy``, ``to_dict``
+and ``to_json_string`` working: the state pickles as its values and copies as a view of the same job.
 
 ``TrainerAccelerator.free_memory`` keeps the prepared model and optimizer: the Trainer calls it at the start
 of every ``train()``, and a sharded model cannot be handed back whole in place, so the Trainer keeps training
