@@ -355,7 +355,6 @@ def test_bound_arguments_save_copy_and_serialise(tmp_path, kind):
 
 def test_a_saved_distributed_state_of_two_processes_refuses_to_wait_for_them():
     from xshard.backends.world import World
-
     from xshard.trainer.arguments import SavedPlace, XShardDistributedState
 
     state = XShardDistributedState(SavedPlace("cpu", "cpu", World(rank=1, world_size=2, local_rank=1), "cpu"))

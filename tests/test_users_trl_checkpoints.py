@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from support.jobs import run_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -27,7 +27,7 @@ XSHARD_2 = [sys.executable, "-m", "xshard", "launch", "--nproc", "2"]
 TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 # 6 steps of 8 records (4 a process), a checkpoint every 2 steps and only the newest kept
 CHECKPOINTS = ["--max_steps", "6", "--save_steps", "2", "--save_total_limit", "1"]
-TIMEOUT = 240  # each run takes about 15-25 s on an idle 2-core machine
+TIMEOUT = 240  # each run takes about 15-25 s on an idle 2-core machine (run_job shortens it to the test's deadline)
 
 
 def _run(launcher: list[str], model: Path, out: Path, *options: str, trainer: str = "xshard") -> dict:
@@ -37,12 +37,7 @@ def _run(launcher: list[str], model: Path, out: Path, *options: str, trainer: st
     if trainer == "stock":
         env["ACCELERATE_USE_CPU"] = "true"
     command = [*launcher, str(SCRIPT), str(model), str(DATA), str(out), *CHECKPOINTS, *options]
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT, env=env)
-    except subprocess.TimeoutExpired as exc:
-        output = [(s.decode(errors="replace") if isinstance(s, bytes) else s or "") for s in (exc.stdout, exc.stderr)]
-        pytest.fail(f"{' '.join(command)} did not end in {TIMEOUT} s; its output so far:\n{output[0][-2000:]}\n"
-                    f"{output[1][-4000:]}")
+    proc = run_job(command, timeout=TIMEOUT, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((out / "this_run.json").read_text())
 
@@ -56,7 +51,6 @@ def _losses(record: dict) -> dict[int, float]:
 
 
 def test_trl_sft_script_checkpoints_rotates_and_resumes_on_two_processes(tiny_model, tmp_path):
-    pytest.importorskip("trl")
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
