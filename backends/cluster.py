@@ -37,8 +37,9 @@ __all__ = ["ClusterEnvironment", "detect", "first_host", "launch_placement", "ta
 
 #: Slurm's conventional rendezvous port: this base + the last four digits of the job id (Lightning's rule)
 SLURM_PORT_BASE = 15000
-DEFAULT_PORT = 29500
-LOOPBACK = "127.0.0.1"
+#: torchrun's rendezvous defaults, where no cluster names them (``World`` exports them; ``xshard launch``)
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_MASTER_ADDR = "127.0.0.1"
 _TORCHRUN_MARKS = ("TORCHELASTIC_RUN_ID", "GROUP_RANK")
 _KUBERNETES_MARKS = ("KUBERNETES_SERVICE_HOST", "KUBERNETES_PORT")
 
@@ -183,7 +184,7 @@ def _slurm(r: _Reader) -> ClusterEnvironment:
     nodes = r.text("SLURM_STEP_NODELIST") or r.text("SLURM_JOB_NODELIST") or r.text("SLURM_NODELIST")
     master = r.text("MASTER_ADDR") or (first_host(nodes) if nodes else None)
     job_id = r.text("SLURM_JOB_ID")
-    port = _port(r, SLURM_PORT_BASE + int(job_id[-4:]) if job_id and job_id[-4:].isdigit() else DEFAULT_PORT)
+    port = _port(r, SLURM_PORT_BASE + int(job_id[-4:]) if job_id and job_id[-4:].isdigit() else DEFAULT_MASTER_PORT)
     if master is None and world_size > 1:
         raise WorldEnvironmentError("Slurm names no node list (SLURM_STEP_NODELIST, SLURM_JOB_NODELIST): export "
                                     "MASTER_ADDR=<the first node's host name> before srun")
@@ -206,7 +207,7 @@ def _mpi(r: _Reader, name: str, rank_var: str, size_var: str, local_rank_var: st
             f"names no rendezvous host: pass the first node's address to every rank, e.g. `{fix}`")
     return ClusterEnvironment(name, rank, world_size, local_rank, local_world,
                               node_rank=rank // max(1, local_world), num_nodes=max(1, world_size // max(1, local_world)),
-                              master_addr=master or LOOPBACK, master_port=_port(r, DEFAULT_PORT), read=r.read,
+                              master_addr=master or DEFAULT_MASTER_ADDR, master_port=_port(r, DEFAULT_MASTER_PORT), read=r.read,
                               sources=(rank_var, size_var, local_rank_var))
 
 
@@ -223,7 +224,7 @@ def _kubeflow_pod(r: _Reader) -> ClusterEnvironment | None:
     node_rank = r.int("PET_NODE_RANK", 0)
     return _checked(ClusterEnvironment("kubeflow", rank=node_rank, world_size=num_nodes, node_rank=node_rank,
                                        num_nodes=num_nodes, master_addr=r.text("PET_MASTER_ADDR"),
-                                       master_port=r.int("PET_MASTER_PORT", DEFAULT_PORT), read=r.read))
+                                       master_port=r.int("PET_MASTER_PORT", DEFAULT_MASTER_PORT), read=r.read))
 
 
 # ---------------------------------------------------------------------------- helpers

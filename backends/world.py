@@ -2,7 +2,7 @@
 
 Its own module so that the contract's roles (``device.py``, ``communication.py``) and ``base.py``
 all name it without importing one another: it depends only on ``cluster`` (which reads the
-environment) and holds the rendezvous defaults that both ``export`` and the process group use.
+environment) and re-exports its rendezvous defaults, which both ``export`` and the process group use.
 """
 
 from __future__ import annotations
@@ -12,11 +12,9 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 from . import cluster
+from .cluster import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
 
 __all__ = ["DEFAULT_MASTER_ADDR", "DEFAULT_MASTER_PORT", "World"]
-
-DEFAULT_MASTER_ADDR = "127.0.0.1"
-DEFAULT_MASTER_PORT = "29500"
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from ...errors import XShardError
+from ..cluster import DEFAULT_MASTER_ADDR
 from .parent_death import PARENT_ENV
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class LaunchRequest:
     nproc_given: bool = False
     nnodes: int = 1
     node_rank: int = 0
-    master_addr: str = "127.0.0.1"
+    master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int | None = None
     max_restarts: int = 0
     join_timeout: int | None = None

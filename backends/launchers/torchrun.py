@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from ..cluster import DEFAULT_MASTER_ADDR as _LOOPBACK  # this machine's rendezvous address
 from .base import GUARD, Launcher, LaunchError, LaunchPlan, LaunchRequest, exit_code
 
 #: a file that outlives the ranks of a job with restarts: the ranks note there where they save
@@ -36,11 +37,8 @@ RESUME_FILE_ENV = "XSHARD_RESUME_FILE"
 def free_port() -> int:
     """A TCP port that is free on this machine now."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((_LOOPBACK, 0))
         return int(s.getsockname()[1])
-
-
-_LOOPBACK = "127.0.0.1"
 
 
 def loopback_store(port: int = 0) -> Any:

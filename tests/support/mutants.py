@@ -127,6 +127,8 @@ def run(mutant: Mutant) -> tuple[str, list[str], float]:
     if proc.returncode == 0:
         return "MISSED", ["the tests passed"], took
     failed = [line[len("FAILED "):][:400] for line in out.splitlines() if line.startswith("FAILED ")]
+    # each failed test's first error line (pytest prints "E   <exception>: <message>" under the test)
+    failed += [f"  {m.group(1)[:200]}" for m in re.finditer(r"^E\s+(\w*(?:Error|Exception)\b.*)$", out, flags=re.M)]
     # the parity groups list each failing case ("stage N <options>: <first difference>")
     cases = dict.fromkeys(m.group(1)[:160] for m in re.finditer(r"^E\s+(stage \d.*)$", out, flags=re.M))
     failed += [f"  case {case}" for case in cases]

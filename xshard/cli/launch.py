@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from xshard.backends import ENV_VAR, Backend, World, apply_visible_devices, parse_devices, select
 from xshard.backends.launchers import LaunchError, LaunchPlan, LaunchRequest
+from xshard.backends.world import DEFAULT_MASTER_ADDR
 from xshard.cli.launch_cluster import with_cluster_defaults
 
 if TYPE_CHECKING:
@@ -215,7 +216,7 @@ def _with_config_defaults(opts: LaunchOptions, env: Mapping[str, str]) -> Launch
     return replace(
         opts, backend=backend, nproc=nproc, nnodes=nnodes,
         node_rank=_first(opts.node_rank, launch_keys.get("machine_rank"), 0),
-        master_addr=_first(opts.master_addr, launch_keys.get("main_process_ip"), "127.0.0.1"),
+        master_addr=_first(opts.master_addr, launch_keys.get("main_process_ip"), DEFAULT_MASTER_ADDR),
         master_port=_first(opts.master_port, launch_keys.get("main_process_port")),
         devices=_first(opts.devices, launch_keys.get("gpu_ids")),
     )
