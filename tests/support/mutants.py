@@ -97,8 +97,8 @@ def _copy_tree(dest: Path) -> None:
     for entry in ROOT.iterdir():
         if entry.name in SKIP:
             continue
-        if entry.is_dir():
-            shutil.copytree(entry, dest / entry.name, ignore=shutil.ignore_patterns(*SKIP))
+        if entry.is_dir():  # links stay links: xshard/backends must keep pointing at the copy's backends/
+            shutil.copytree(entry, dest / entry.name, symlinks=True, ignore=shutil.ignore_patterns(*SKIP))
         else:
             shutil.copy2(entry, dest / entry.name)
 
@@ -110,6 +110,7 @@ def run(mutant: Mutant) -> tuple[str, list[str], float]:
         tree = Path(tmp)
         _copy_tree(tree)
         target = tree / mutant.path
+        assert (tree / "xshard" / "backends").is_symlink(), "the copy must import its own backends/"
         text = target.read_text()
         if text.count(mutant.old) != 1:
             return "error", [f"the text to change occurs {text.count(mutant.old)} times in {mutant.path}"], 0.0
@@ -132,8 +133,8 @@ def run(mutant: Mutant) -> tuple[str, list[str], float]:
     # the parity groups list each failing case ("stage N <options>: <first difference>")
     cases = dict.fromkeys(m.group(1)[:160] for m in re.finditer(r"^E\s+(stage \d.*)$", out, flags=re.M))
     failed += [f"  case {case}" for case in cases]
-    if proc.returncode != 1 or "+ Timeout +" in out or not failed:
-        return "error", [f"pytest exit {proc.returncode}: {out.strip().splitlines()[-1]}"], took
+    if proc.returncode != 1 or "+ Timeout +" in out or " hung for " in out or not failed:
+        return "error", [f"pytest exit {proc.returncode}: {out.strip().splitlines()[-1]}", *failed], took
     return "caught", failed, took
 
 
