@@ -1,7 +1,7 @@
 """A user's TRL SFT script with checkpoints on, through ``xshard.trainer.TrainerMixin`` with TRL's own
 ``SFTConfig``, on 2 processes under ``xshard launch`` (tests/support/trl_sft_script.py): the Trainer writes
 ``checkpoint-N`` (with ``training_args.bin``, ``torch.save(self.args)``) and rotates them to
-``save_total_limit``; a run stopped midway and resumed with ``resume_from_checkpoint`` logs, after the resume
+``save_total_limit``; a run resumed from its step-4 checkpoint with ``resume_from_checkpoint`` logs, after the resume
 point, the losses of the uninterrupted run; ``trainer.save_model()``'s folder loads with ``from_pretrained``;
 and the uninterrupted run's losses are those of TRL's own ``SFTTrainer`` on plain Accelerate's DDP
 (torchrun, ``ACCELERATE_USE_CPU``: its multi-CPU data parallel), checkpointing the same way.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,8 +26,8 @@ SCRIPT = Path(__file__).resolve().parent / "support" / "trl_sft_script.py"
 DATA = ROOT / "examples" / "qwen_finetune" / "data" / "alpaca_synthetic.json"
 XSHARD_2 = [sys.executable, "-m", "xshard", "launch", "--nproc", "2"]
 TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-# 6 steps of 8 records (4 a process), a checkpoint every 2 steps and only the newest kept
-CHECKPOINTS = ["--max_steps", "6", "--save_steps", "2", "--save_total_limit", "1"]
+# 6 steps of 8 records (4 a process), a checkpoint every 2 steps and the newest two kept
+CHECKPOINTS = ["--max_steps", "6", "--save_steps", "2", "--save_total_limit", "2"]
 TIMEOUT = 240  # each run takes about 15-25 s on an idle 2-core machine (run_job shortens it to the test's deadline)
 
 
@@ -55,17 +56,16 @@ def test_trl_sft_script_checkpoints_rotates_and_resumes_on_two_processes(tiny_mo
     from transformers import AutoModelForCausalLM
 
     full = _run(XSHARD_2, tiny_model, tmp_path / "full", "--save_model")
-    assert full["saved"] == [2, 4, 6] and _checkpoints(tmp_path / "full") == ["checkpoint-6"]  # 2 and 4 rotated out
+    assert full["saved"] == [2, 4, 6] and _checkpoints(tmp_path / "full") == ["checkpoint-4", "checkpoint-6"]
     uninterrupted = _losses(full)
     assert list(uninterrupted) == [1, 2, 3, 4, 5, 6]
 
-    # the job stops after step 4 (its checkpoint written), then the same script resumes to the end
+    # a job that stopped after step 4 holds what the uninterrupted one held then: its checkpoint-4 (a copy,
+    # which also shows a checkpoint is self-contained); the same script resumes from it to the end
     out = tmp_path / "resumed"
-    stopped = _run(XSHARD_2, tiny_model, out, "--stop_after_step", "4")
-    assert stopped["saved"] == [2, 4] and _checkpoints(out) == ["checkpoint-4"]
-    assert _losses(stopped) == pytest.approx({s: uninterrupted[s] for s in (1, 2, 3, 4)}, rel=1e-6)
+    shutil.copytree(tmp_path / "full" / "checkpoint-4", out / "checkpoint-4")
     resumed = _run(XSHARD_2, tiny_model, out, "--resume_from_checkpoint", str(out / "checkpoint-4"), "--save_model")
-    assert resumed["saved"] == [6] and _checkpoints(out) == ["checkpoint-6"]
+    assert resumed["saved"] == [6] and _checkpoints(out) == ["checkpoint-4", "checkpoint-6"]
     # only the steps after the resume point ran, with the uninterrupted run's losses
     assert _losses(resumed) == pytest.approx({5: uninterrupted[5], 6: uninterrupted[6]}, rel=1e-6)
 
@@ -78,10 +78,10 @@ def test_trl_sft_script_checkpoints_rotates_and_resumes_on_two_processes(tiny_mo
     # the arguments each checkpoint and save_model wrote: TRL's SFTConfig, describing the 2-process run
     for folder in (out, out / "checkpoint-6"):
         args = torch.load(folder / "training_args.bin", weights_only=False)
-        assert type(args).__name__ == "SFTConfig" and args.max_steps == 6 and args.save_total_limit == 1
+        assert type(args).__name__ == "SFTConfig" and args.max_steps == 6 and args.save_total_limit == 2
         assert (args.world_size, args.process_index) == (2, 0)
 
     # the anchor: TRL's own SFTTrainer on plain Accelerate's DDP, the same script and checkpoints
     anchor = _run(TORCHRUN_2, tiny_model, tmp_path / "anchor", trainer="stock")
-    assert anchor["saved"] == [2, 4, 6] and _checkpoints(tmp_path / "anchor") == ["checkpoint-6"]
+    assert anchor["saved"] == [2, 4, 6] and _checkpoints(tmp_path / "anchor") == ["checkpoint-4", "checkpoint-6"]
     assert uninterrupted == pytest.approx(_losses(anchor), rel=1e-5)
