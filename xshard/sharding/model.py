@@ -312,7 +312,7 @@ class ShardedModel(nn.Module):
         """Communication since ``reset_stats`` and model-state bytes held by this rank.
 
         ``comm``: bytes and calls per collective kind (ZeRO-paper convention, see
-        ``backends/collectives.py``). Per training step, with psi the parameter bytes in the
+        ``backends/collectives/accounting.py``). Per training step, with psi the parameter bytes in the
         communication dtype padded to dim-0 shards of the shard group (G ranks: the world unless
         hybrid): stage 0 all-reduces the trainable gradients (2 psi); stages 1-2 all-gather psi
         (only after the shards changed) and reduce-scatter the trainable psi (2 psi); stage 3 gathers
