@@ -16,10 +16,11 @@ from collections import defaultdict
 
 #: (module, class, method) -> phase label
 _PHASES = {
-    ("xshard.backends.collectives", "Handle", "wait"): "wait: blocked on communication",
-    ("xshard.backends.collectives", "DistCollectives", "_all_gather"): "issue all-gather (incl. own-chunk copy)",
-    ("xshard.backends.collectives", "DistCollectives", "_reduce_scatter"): "issue reduce-scatter",
-    ("xshard.backends.collectives", "DistCollectives", "_all_reduce"): "issue all-reduce",
+    ("xshard.backends.collectives.handle", "Handle", "wait"): "wait: blocked on communication",
+    ("xshard.backends.collectives.process_group", "DistCollectives", "_all_gather"):
+        "issue all-gather (incl. own-chunk copy)",
+    ("xshard.backends.collectives.process_group", "DistCollectives", "_reduce_scatter"): "issue reduce-scatter",
+    ("xshard.backends.collectives.process_group", "DistCollectives", "_all_reduce"): "issue all-reduce",
     ("xshard.sharding.unit", "Unit", "start_gather"): "gather: allocate + pack own shard",
     ("xshard.sharding.unit", "Unit", "wait_gather"): "gather: allocate + unpack rows into full params",
     ("xshard.sharding.unit", "Unit", "reshard"): "reshard: free full params",

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from support.distributed import run_workers
 from support.fakes.tpu import install_fake_torch_tpu
+
 from xshard.backends import BackendUnavailableError, World, backend_class, select
 from xshard.backends.launchers import LaunchError, LaunchRequest
 
@@ -250,7 +251,7 @@ def test_xshard_launch_starts_one_process_per_chip_on_the_tpu_group(tmp_path) ->
 
 def _tpu_job(rank: int, world_size: int) -> dict:
     install_fake_torch_tpu(chips=world_size, index=rank, name_device=True)
-    from xshard.backends import collectives as module  # the names DistCollectives calls
+    from xshard.backends.collectives import process_group as module  # the names DistCollectives calls
 
     ops = []
 

@@ -1,10 +1,12 @@
-"""The import graph of xshard/ and backends/ (installed as xshard.backends) has no circle.
+"""The import graph of xshard/ and backends/ (imported as xshard.backends) has no circle.
 
 Every import a module runs (at module level or inside a function; annotations under
 ``TYPE_CHECKING`` excluded, since they never run) is an edge. No module may reach itself, and the
 packages (xshard.sharding, xshard.checkpoint, xshard.config, xshard.cli, xshard.trainer,
 xshard.accelerate_compat, xshard.backends and the top-level modules) form no circle either. The
-drawing in docs/architecture.md is this graph.
+drawing in docs/architecture.md is this graph. Imports for annotations only (under ``TYPE_CHECKING``)
+make no circle either: two modules that name each other's types cannot be read, moved or checked one
+without the other, whether or not the import runs.
 
 Accelerate's compatibility surface (``xshard.accelerate_compat``) sits between the user API and the
 job machinery: only the user API and Accelerate's import paths (``xshard.state`` ..., thin modules
@@ -35,20 +37,21 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for base in ("xshard", "backends") for p in (ROOT / base).rglob("*.py")}
 
 
-def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    typing_only = {id(sub) for node in ast.walk(tree)
-                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for sub in ast.walk(node)}
+def _imports(tree: ast.AST, typing_too: bool) -> list[ast.Import | ast.ImportFrom]:
+    typing_only = set() if typing_too else {
+        id(sub) for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for sub in ast.walk(node)}
     return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in typing_only]
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module -> the xshard modules it imports."""
+def import_graph(typing_too: bool = False) -> dict[str, set[str]]:
+    """module -> the xshard modules it imports (those it runs; with ``typing_too``, also those under
+    ``TYPE_CHECKING``)."""
     modules = _modules()
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in _runtime_imports(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in _imports(ast.parse(path.read_text(encoding="utf-8")), typing_too):
             if isinstance(node, ast.ImportFrom):
                 base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
                 target = ".".join([*base, *([node.module] if node.module else [])]) if node.level else node.module
@@ -108,6 +111,12 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 def test_no_module_imports_itself_through_others() -> None:
     assert cycles(import_graph()) == []
+
+
+def test_no_module_imports_itself_even_for_annotations() -> None:
+    """A circle closed by an annotation-only import is a circle all the same (the piece both sides
+    need belongs in a module of its own, or with the side that owns it)."""
+    assert cycles(import_graph(typing_too=True)) == []
 
 
 def test_no_package_imports_itself_through_others() -> None:

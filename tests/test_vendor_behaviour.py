@@ -23,9 +23,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from support.vendor_sources import WheelSources, npu_wheel_path, tpu_wheel_path
+
 from xshard.backends import World, backend_class
-from xshard.backends import collectives as collectives_module
 from xshard.backends.collectives import PACK_BELOW_BYTES, DistCollectives
+from xshard.backends.collectives import process_group as collectives_module
 
 pytest_plugins = ("support.fakes.fixtures",)  # fixtures: fake_npu, make_fake_tpu
 

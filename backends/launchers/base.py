@@ -23,7 +23,9 @@ from ..cluster import DEFAULT_MASTER_ADDR
 from .parent_death import PARENT_ENV
 
 if TYPE_CHECKING:
-    from ..base import Backend
+    # a launcher reads of its backend only what the device role declares (its name, how many devices
+    # this host has): typed by that role, not by Backend, whose ``launcher()`` makes launchers
+    from ..device import DeviceAPI
 
 #: run by path as a child's first step (stdlib only): ties the child to the launcher
 GUARD = Path(__file__).resolve().with_name("parent_death.py")
@@ -94,7 +96,7 @@ class Launcher:
     #: shown in the log line of `xshard launch`
     name: ClassVar[str] = ""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: DeviceAPI) -> None:
         self.backend = backend
 
     def plan(self, request: LaunchRequest) -> LaunchPlan:

@@ -58,27 +58,27 @@ GATHER = ('        handle = collectives.all_gather_into_tensors(targets, inputs,
 
 MUTANTS = (
     Mutant("exchange-sum", "CPU forms, stages 1-3: the reduce-scatter by exchange sums (gradients x world)",
-           "backends/collectives.py", EXCHANGE_DIVIDE, EXCHANGE_DIVIDE.replace("div_(world)", "div_(1)"),
+           "backends/collectives/process_group.py", EXCHANGE_DIVIDE, EXCHANGE_DIVIDE.replace("div_(world)", "div_(1)"),
            PARITY_STAGES),
     Mutant("exchange-halve", "CPU forms, stages 1-3: the exchange divides twice (gradients / world)",
-           "backends/collectives.py", EXCHANGE_DIVIDE, EXCHANGE_DIVIDE.replace("div_(world)", "div_(world * world)"),
+           "backends/collectives/process_group.py", EXCHANGE_DIVIDE, EXCHANGE_DIVIDE.replace("div_(world)", "div_(world * world)"),
            PARITY_STAGES),
     Mutant("sum-then-divide-sum", "AVG as SUM then divide, without the divide (CPU stage 0's all-reduce; the "
-           "TPU/MPS setup at every stage): gradients x world", "backends/collectives.py", SUM_THEN_DIVIDE,
+           "TPU/MPS setup at every stage): gradients x world", "backends/collectives/process_group.py", SUM_THEN_DIVIDE,
            SUM_THEN_DIVIDE.replace("float(self.world_size)", "None"), PARITY_STAGES + NATIVE),
     Mutant("sum-then-divide-halve", "AVG as SUM then divide, divided twice: gradients / world",
-           "backends/collectives.py", SUM_THEN_DIVIDE,
+           "backends/collectives/process_group.py", SUM_THEN_DIVIDE,
            SUM_THEN_DIVIDE.replace("float(self.world_size)", "float(self.world_size) ** 2"), PARITY_STAGES + NATIVE),
     Mutant("native-avg-sum", "native AVG setups (CUDA, NPU): AVG issued as SUM (gradients x world)",
-           "backends/collectives.py", NATIVE_OP, '        return _DIST_OPS["sum" if op == "avg" else op], None\n',
+           "backends/collectives/process_group.py", NATIVE_OP, '        return _DIST_OPS["sum" if op == "avg" else op], None\n',
            NATIVE),
     Mutant("native-avg-halve", "native AVG setups (CUDA, NPU): AVG and a divide after it (gradients / world)",
-           "backends/collectives.py", NATIVE_OP,
+           "backends/collectives/process_group.py", NATIVE_OP,
            '        return _DIST_OPS[op], (float(self.world_size) if op == "avg" else None)\n', NATIVE),
     Mutant("stage3-gather-skipped", "stage 3: the second block's all-gather skipped (its full weights hold "
            "this rank's rows only)", "xshard/sharding/unit.py", GATHER,
            '        if self.name.endswith("s.1"):  # mutant\n'
-           '            from xshard.backends.collectives import _finished\n'
+           '            from xshard.backends.collectives.handle import _finished\n'
            '            handle = _finished(targets)\n'
            '        else:\n    ' + GATHER, PARITY_STAGES),
     Mutant("async-save-unsynchronized", "async save: the device synchronize() before the copies are used removed",

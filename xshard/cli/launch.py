@@ -32,7 +32,7 @@ import argparse
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,7 @@ from xshard.backends import ENV_VAR, Backend, World, apply_visible_devices, pars
 from xshard.backends.launchers import LaunchError, LaunchPlan, LaunchRequest
 from xshard.backends.world import DEFAULT_MASTER_ADDR
 from xshard.cli.launch_cluster import with_cluster_defaults
+from xshard.cli.launch_options import LaunchOptions
 
 if TYPE_CHECKING:
     from xshard.config import ConfigSource
@@ -48,28 +49,6 @@ CONFIG_ENV = "XSHARD_CONFIG"
 MIXED_PRECISION_ENV = "XSHARD_MIXED_PRECISION"
 
 __all__ = ["LaunchError", "LaunchOptions", "LaunchPlan", "launch", "launch_options", "plan_launch", "run_plan"]
-
-
-@dataclass
-class LaunchOptions:
-    """What the user asked `xshard launch` for (the command-line options, as data; None: not given)."""
-
-    script: str
-    script_args: list[str] = field(default_factory=list)
-    nproc: int | None = None
-    #: accelerate's --num_processes: processes on all nodes together
-    num_processes: int | None = None
-    nnodes: int | None = None
-    node_rank: int | None = None
-    master_addr: str | None = None
-    master_port: int | None = None
-    devices: str | None = None
-    backend: str | None = None
-    config: str | None = None
-    mixed_precision: str | None = None
-    module: bool = False
-    max_restarts: int = 0
-    join_timeout: int | None = None
 
 
 def _visible_devices(backend_cls: type[Backend], devices: str) -> tuple[dict[str, str], int]:

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from xshard.backends.cluster import launch_placement
+from xshard.cli.launch_options import LaunchOptions
 from xshard.log import get_logger
-
-if TYPE_CHECKING:
-    from xshard.cli.launch import LaunchOptions
 
 log = get_logger("xshard.launch")
 

@@ -10,6 +10,9 @@ elements (the parameter is its first ``numel``), so the padded shards line up wi
 A packed buffer of several parameters (a full state dict's gather, collectives that pack a unit
 into one operation) is a ``(world_size, row)`` matrix whose row ``r`` is rank ``r``'s shard of
 every parameter; parameter ``i`` is the column block ``[offset_i, offset_i + seg_i)``.
+
+``ShardedParamView`` pairs a parameter with its names and layout: what the core's siblings (state
+dicts, checkpoints, materialization) may know of it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 
 def rows_of(shape: tuple[int, ...] | torch.Size) -> int:
@@ -112,3 +116,13 @@ def unpack_rows(block: torch.Tensor, flat_full: torch.Tensor) -> None:
         flat_full[: whole * seg].view(whole, seg).copy_(block[:whole])
     if rem:
         flat_full[whole * seg:].copy_(block[whole, :rem])
+
+
+@dataclass(frozen=True)
+class ShardedParamView:
+    """What the core's siblings (state dicts, checkpoints, materialization) may know of a parameter:
+    the user's Parameter (it holds this rank's rows), its names, and its shard layout."""
+
+    names: tuple[str, ...]
+    param: nn.Parameter
+    layout: ShardLayout

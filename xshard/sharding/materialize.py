@@ -20,22 +20,31 @@ meta parameter its full value before ``shard_model``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from .layout import ShardLayout
-
-if TYPE_CHECKING:  # model.py imports this module
-    from .model import ShardedModel
+from .layout import ShardedParamView, ShardLayout
 
 #: ``read_rows(names, start, stop, shape, dtype)``: rows ``start:stop`` (dim 0) of the tensor stored
 #: under the first of ``names`` that exists (a tied parameter has several names). ``shape`` and
 #: ``dtype`` are the parameter's, for checking and for readers that must agree on a dtype (the
 #: returned tensor may have another; it is cast on copy). A 0-dim tensor is asked for as rows 0:1.
 RowReader = Callable[[list[str], int, int, torch.Size, torch.dtype], torch.Tensor]
+
+
+class HoldsShards(Protocol):
+    """What ``fill_shards`` needs of a model (a ``ShardedModel`` is one; model.py imports this module)."""
+
+    def sharded_params(self) -> Sequence[ShardedParamView]:
+        """Every parameter once, in unit order, with its names and layout."""
+        ...
+
+    def shards_changed(self) -> None:
+        """The shards were written behind the version counters."""
+        ...
 
 
 @contextlib.contextmanager
@@ -78,7 +87,7 @@ def _read(read_rows: RowReader, names: list[str], rows: ShardLayout, dtype: torc
     return value.reshape(rows.local_shape)
 
 
-def fill_shards(model: ShardedModel, read_rows: RowReader) -> int:
+def fill_shards(model: HoldsShards, read_rows: RowReader) -> int:
     """Fill every shard of a ``ShardedModel`` (stages 1-3) with this rank's rows from ``read_rows``.
 
     Every rank must call it (a reader may run collectives), parameters in unit order. Returns the

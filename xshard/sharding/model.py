@@ -6,7 +6,6 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,7 +17,7 @@ from .buffers import BufferSync
 from .engine import Engine
 from .grad_clip import clip_grad_norm_
 from .groups import ProcessGroups
-from .layout import ShardLayout
+from .layout import ShardedParamView, ShardLayout
 from .materialize import fill_parameters, fill_shards
 from .module_sync import sync_module_states
 from .options import ShardingOptions
@@ -36,16 +35,6 @@ if TYPE_CHECKING:  # types only: the core imports nothing of the device layer at
     from xshard.backends import Backend
 
 log = logging.getLogger("xshard.sharding")
-
-
-@dataclass(frozen=True)
-class ShardedParamView:
-    """What the core's siblings (state dicts, checkpoints, materialization) may know of a parameter:
-    the user's Parameter (it holds this rank's rows), its names, and its shard layout."""
-
-    names: tuple[str, ...]
-    param: nn.Parameter
-    layout: ShardLayout
 
 
 class ShardedModel(nn.Module):
@@ -312,7 +301,7 @@ class ShardedModel(nn.Module):
         """Communication since ``reset_stats`` and model-state bytes held by this rank.
 
         ``comm``: bytes and calls per collective kind (ZeRO-paper convention, see
-        ``backends/collectives.py``). Per training step, with psi the parameter bytes in the
+        ``backends/collectives/accounting.py``). Per training step, with psi the parameter bytes in the
         communication dtype padded to dim-0 shards of the shard group (G ranks: the world unless
         hybrid): stage 0 all-reduces the trainable gradients (2 psi); stages 1-2 all-gather psi
         (only after the shards changed) and reduce-scatter the trainable psi (2 psi); stage 3 gathers
