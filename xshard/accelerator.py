@@ -1016,10 +1016,12 @@ class Accelerator:
     def end(self) -> None:
         """Leave the process group and undo the prepared models' backend patches (safe to call twice)."""
         if not self._ended:
+            from .checkpoint import output_lock
             from .checkpoint.state import wait_for_background_save
 
             wait_for_background_save(self.job)  # an async save is complete (or its error raised) before the end
             self.wait_for_everyone()
+            output_lock.release_all()  # the output folders are free for another job
             self._close_models()
             self._leave()
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import transformers
 from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import checkpoints
 from .runtime import bind_arguments, build_accelerator
@@ -133,12 +134,20 @@ class TrainerMixin(_TrainerHost):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """The Trainer's checkpoint (its ``save_model`` call writes xshard's state; see ``checkpoints``)."""
+        """The Trainer's checkpoint (its ``save_model`` call writes xshard's state; see ``checkpoints``);
+        ``save_total_limit`` rotates with ``checkpoints.rotate`` (a symbolic link is never counted)."""
+        limit = self.args.save_total_limit
         self._xshard_saving_checkpoint = True
+        self.args.save_total_limit = None  # the stock rotation counts links: xshard's runs below instead
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self._xshard_saving_checkpoint = False
+            self.args.save_total_limit = limit
+        if self.args.should_save and limit is not None and limit > 0:
+            run_dir = self._get_output_dir(trial=trial)
+            newest = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            checkpoints.rotate(run_dir, limit, newest, self.state.best_model_checkpoint)
 
     def _save_job_state(self, output_dir: str) -> None:
         checkpoints.save_job_state(self.accelerator.job, output_dir, self.lr_scheduler,
