@@ -1014,7 +1014,8 @@ class Accelerator:
         return load_state(self.job, directory, missing_ok=missing_ok)
 
     def end(self) -> None:
-        """Leave the process group and undo the prepared models' backend patches (safe to call twice)."""
+        """Leave the process group, undo the prepared models' backend patches and free the output folders' locks
+        (``xshard.checkpoint.output_lock``); safe to call twice."""
         if not self._ended:
             from .checkpoint import output_lock
             from .checkpoint.state import wait_for_background_save

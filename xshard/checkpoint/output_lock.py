@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import multiprocessing.util
 import os
 import socket
 import time
@@ -116,8 +117,9 @@ def take(folder: Path) -> None:
                        "run_id": _run_id()})
     for _ in range(3):
         if _create(path, text):
-            if not _held:
+            if not _held:  # at the process's exit; a multiprocessing child runs no atexit, its finalizers
                 atexit.register(release_all)
+                multiprocessing.util.Finalize(None, release_all, exitpriority=0)
             _held[key] = text
             return
         owner = _read(path)
