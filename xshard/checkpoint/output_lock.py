@@ -4,13 +4,15 @@ Two jobs saving numbered checkpoints into one folder rotate each other's checkpo
 main process takes ``<output folder>/.xshard_job.lock`` at the job's first save of a numbered
 checkpoint there (``checkpoint-500``, Accelerate's ``checkpoint_3``, the Trainer's ``checkpoint-N``),
 before anything is written, and removes it at the end of the job (``Accelerator.end()``, or when the
-process exits). The file holds the owner's host, pid, start time and launcher run id (JSON). A second
+process exits). The file holds the owner's host, pid, start time and job ids (JSON). A second
 job's first save there is refused with one line naming the folder, the owner and the fix.
 
 A lock whose owner is gone is taken over, with a warning naming it: on the same host, when its pid is
-no longer running; from another host, when its owner has not saved for ``OTHER_HOST_STALE_S`` (each
-save refreshes the file's time, so a long job that saves keeps it). The same job restarted by
-``xshard launch --max_restarts`` (the same ``TORCHELASTIC_RUN_ID``) takes its lock back silently.
+no longer running (a running pid on this host always holds it); from another host, when its owner has
+not saved for ``OTHER_HOST_STALE_S`` (each save refreshes the file's time, so a long job that saves
+keeps it). The same job restarted takes its lock back silently: ``xshard launch --max_restarts``
+(torchrun's ``TORCHELASTIC_RUN_ID``, the same in every attempt of one launch) or a Slurm requeue
+(``SLURM_JOB_ID`` and ``SLURM_STEP_ID``), on any host.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ __all__ = ["LOCK", "OTHER_HOST_STALE_S", "OutputFolderInUseError", "refusal", "r
 LOCK = ".xshard_job.lock"
 #: a lock from another host whose owner has not saved for this long (seconds: 24 h) is stale
 OTHER_HOST_STALE_S = 24 * 3600
-#: torchrun's elastic agent: the same value in every attempt of one job (xshard launch: a fresh uuid per launch)
+#: what names one job across its restarts: torchrun's elastic agent gives every attempt of one launch the same
+#: run id (xshard launch: a fresh uuid per launch); Slurm keeps a requeued job's id and step
 RUN_ID_ENV = "TORCHELASTIC_RUN_ID"
 
 #: folder (resolved) -> the text of the lock this process wrote there
@@ -43,9 +46,12 @@ class OutputFolderInUseError(CheckpointSaveError):
     """Another job, still running, saves checkpoints into the same output folder."""
 
 
-def _run_id() -> str | None:
-    value = os.environ.get(RUN_ID_ENV, "")
-    return value if value and value != "none" else None  # torchrun's default id names no job
+def _job_ids() -> dict[str, str | None]:
+    """This job's ids (None where unset; torchrun's default run id "none" names no job)."""
+    run_id = os.environ.get(RUN_ID_ENV, "")
+    slurm = os.environ.get("SLURM_JOB_ID", "")
+    return {"run_id": run_id if run_id and run_id != "none" else None,
+            "slurm_job": f"{slurm}.{os.environ.get('SLURM_STEP_ID', '')}" if slurm else None}
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -76,16 +82,16 @@ def _stale(owner: dict[str, Any] | None, path: Path) -> str | None:
     """Why the lock at ``path`` no longer holds (its owner is gone, or it is this job's), or None."""
     if owner is None:
         return "it cannot be read (a crash while it was written)"
-    run_id = _run_id()
-    if run_id is not None and owner.get("run_id") == run_id:
-        return ""  # this job's, from before a restart: taken back without a word
+    same_job = any(value is not None and owner.get(key) == value for key, value in _job_ids().items())
     pid = owner.get("pid")
-    if owner.get("host") == socket.gethostname():
+    if owner.get("host") == socket.gethostname():  # a running process holds it, whatever its job ids say
         if pid == os.getpid():
             return ""
-        if not isinstance(pid, int) or not _pid_running(pid):
-            return f"its process ({_describe(owner)}) is no longer running"
-        return None
+        if isinstance(pid, int) and _pid_running(pid):
+            return None
+        return "" if same_job else f"its process ({_describe(owner)}) is no longer running"
+    if same_job:
+        return ""  # this job's, from before a restart on another host: taken back without a word
     try:
         idle = time.time() - path.stat().st_mtime
     except OSError:
@@ -113,8 +119,7 @@ def take(folder: Path) -> None:
         os.utime(path)
         return
     folder.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-                       "run_id": _run_id()})
+    text = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), **_job_ids()})
     for _ in range(3):
         if _create(path, text):
             if not _held:  # at the process's exit; a multiprocessing child runs no atexit, its finalizers
