@@ -123,6 +123,8 @@ def test_trainer_rotation_never_counts_a_link(tmp_path):
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == [
         "checkpoint-3", "checkpoint-999"]
     assert (out / "checkpoint-3" / ckpt_files.MANIFEST).is_file()
+    saved_args = torch.load(out / "checkpoint-3" / "training_args.bin", weights_only=False)
+    assert saved_args.save_total_limit == 1  # the arguments as the user gave them
 
 
 def _lock(folder: Path, pid: int, host: str | None = None) -> None:

@@ -26,6 +26,7 @@ Design notes:
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import os
@@ -136,7 +137,7 @@ class TrainerMixin(_TrainerHost):
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """The Trainer's checkpoint (its ``save_model`` call writes xshard's state; see ``checkpoints``);
         ``save_total_limit`` rotates with ``checkpoints.rotate`` (a symbolic link is never counted)."""
-        limit = self.args.save_total_limit
+        limit = self._xshard_save_total_limit = self.args.save_total_limit
         self._xshard_saving_checkpoint = True
         self.args.save_total_limit = None  # the stock rotation counts links: xshard's runs below instead
         try:
@@ -162,7 +163,9 @@ class TrainerMixin(_TrainerHost):
         tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
         if tokenizer is not None:
             tokenizer.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        args = copy.copy(self.args)  # the arguments as given (_save_checkpoint holds back save_total_limit)
+        args.save_total_limit = self._xshard_save_total_limit
+        torch.save(args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Nothing: the optimizer and scheduler are in the checkpoint's xshard state already."""
