@@ -6,7 +6,8 @@ into the same folder is refused at its first save (one process, unless a test sa
   ``save_total_limit`` never delete through it, rename it or count it; the target stays byte for byte.
 - Two jobs: a save into a folder whose lock names a running job on this host is refused with one line
   naming the folder, the other job and the fix; a lock whose process is gone is taken over with a warning;
-  a real second process saving into the folder of a running job is refused.
+  a real second process saving into the folder of a running job is refused; on 2 ranks every rank raises
+  the same line (multiprocess mark).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.distributed import run_workers
 from test_checkpoint import _job, _steps
 
 from xshard.checkpoint import files as ckpt_files
@@ -159,6 +161,26 @@ def test_a_lock_whose_process_is_gone_is_taken_over_with_a_warning(job, tmp_path
     assert json.loads((out / LOCK).read_text())["pid"] == os.getpid()
     acc.end()  # the end of the job frees the folder
     assert not (out / LOCK).exists()
+
+
+def _held_folder_worker(rank, world_size, out, owner):
+    acc = _job(world_size, state_dict_type="sharded")[0]
+    try:
+        acc.save_state(Path(out) / "checkpoint-1", save_total_limit=2)
+    except CheckpointSaveError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.multiprocess
+def test_every_rank_refuses_a_held_folder_with_the_same_line(tmp_path):
+    out = tmp_path / "out"
+    other = os.getppid()
+    _lock(out, other)
+    errors = run_workers(_held_folder_worker, 2, str(out), other, timeout=120)
+    assert errors[0] is not None and errors[0] == errors[1], errors  # the main process's one line, on each rank
+    assert f"pid {other}" in errors[0] and "\n" not in errors[0]
+    assert sorted(p.name for p in out.iterdir()) == [LOCK]
 
 
 _OTHER_JOB = textwrap.dedent("""
