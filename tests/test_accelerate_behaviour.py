@@ -213,7 +213,7 @@ def _naming_worker(rank, world_size, root):
     for n in range(3):
         counter.n = n
         saved.append(acc.save_state().name)
-    kept = sorted(p.name for p in (root / "checkpoints").iterdir())
+    kept = sorted(p.name for p in (root / "checkpoints").iterdir() if p.is_dir())  # not the running job's lock
     counter.n = -1
     loaded = acc.load_state().name
     result = (saved, kept, loaded, counter.n, acc.save_iteration)

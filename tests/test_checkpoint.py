@@ -186,7 +186,7 @@ def _late_checker_worker(rank, world_size, root):
     def late_check(final):
         if rank == 1:
             time.sleep(1.0)  # a rank that reaches the save late (a slow filesystem, a busy host)
-        seen.extend(sorted(p.name for p in Path(root).iterdir()))
+        seen.extend(sorted(p.name for p in Path(root).iterdir() if p.name != ".xshard_job.lock"))  # the job's lock
         check(final)
 
     checkpoint_state.check_destination = late_check

@@ -1014,12 +1014,15 @@ class Accelerator:
         return load_state(self.job, directory, missing_ok=missing_ok)
 
     def end(self) -> None:
-        """Leave the process group and undo the prepared models' backend patches (safe to call twice)."""
+        """Leave the process group, undo the prepared models' backend patches and free the output folders' locks
+        (``xshard.checkpoint.output_lock``); safe to call twice."""
         if not self._ended:
+            from .checkpoint import output_lock
             from .checkpoint.state import wait_for_background_save
 
             wait_for_background_save(self.job)  # an async save is complete (or its error raised) before the end
             self.wait_for_everyone()
+            output_lock.release_all()  # the output folders are free for another job
             self._close_models()
             self._leave()
 

@@ -14,7 +14,8 @@ are xshard's, and refuses, before writing anything, a folder holding a file of o
 checkpoint's names that xshard did not write. An older checkpoint in that folder stays loadable
 during the swap as ``<name>.old`` (hard links: no copy). Rotation considers only the numbered
 folders of the series just saved (``checkpoint-<n>``) that hold a manifest, deletes only the files
-a manifest lists, and keeps a folder that holds anything else.
+a manifest lists, and keeps a folder that holds anything else. A symbolic link in the series (to a
+checkpoint kept elsewhere) is the user's: rotation never counts it, renames it or deletes through it.
 
 Every file is created with ``open`` (the user's umask applies to all of them alike), written around
 the page cache where the filesystem allows it (``direct_io.py``: why and how) and hashed as it is
@@ -395,7 +396,11 @@ def _order(folder: Path) -> tuple[int, int, float]:
     except (OSError, ValueError, AttributeError):
         step = sys.maxsize
     number = _NUMBER.search(folder.name.removesuffix(OLD_SUFFIX))
-    return step, int(number.group(1)) if number else -1, (folder / MANIFEST).stat().st_mtime
+    try:
+        mtime = (folder / MANIFEST).stat().st_mtime
+    except OSError:  # removed since it was listed (by hand, or by another job): sorts by the rest
+        mtime = 0.0
+    return step, int(number.group(1)) if number else -1, mtime
 
 
 def _looks_unfinished(folder: Path) -> bool:
@@ -443,31 +448,50 @@ def rotate(output_dir: Path, keep: int, newest: Path) -> list[Path]:
     """Delete the oldest complete checkpoints of ``newest``'s series under ``output_dir`` so that
     ``keep`` remain; ``newest`` (the one just saved) is never deleted. Only numbered folders named
     like ``newest`` (``checkpoint-<n>`` beside ``checkpoint-500``) holding a manifest count: a
-    hand-kept ``best_model`` or any other folder is never touched. Returns what was deleted."""
+    hand-kept ``best_model``, a symbolic link or any other folder is never touched. A folder that
+    vanishes meanwhile is named in a warning. Returns what was deleted."""
     if keep < 1:
         raise ValueError(f"save_total_limit={keep}: keep at least 1 checkpoint (or None for no rotation)")
     prefix = series(newest.name)
     if prefix is None:
         raise ValueError(f"save_total_limit needs numbered checkpoint folders: {newest.name!r} has no number at "
                          "its end (e.g. checkpoint-500)")
-    found = [p for p in complete_checkpoints(output_dir) if series(p.name) == prefix
+    found = [p for p in complete_checkpoints(output_dir) if series(p.name) == prefix and not p.is_symlink()
              and p.resolve() != newest.resolve()]
     doomed = found[: max(0, len(found) + 1 - keep)]
+    deleted = []
     for path in doomed:
-        remove_folder(path)
+        if _remove_vanishing(path, output_dir):
+            deleted.append(path)
     number = re.compile(re.escape(prefix) + r"\d+(" + re.escape(OLD_SUFFIX) + ")?" + re.escape(DELETED_SUFFIX))
     for leftover in output_dir.iterdir():  # a deletion that a crash interrupted
-        if leftover.is_dir() and number.fullmatch(leftover.name):
-            remove_folder(leftover)
-    return doomed
+        if leftover.is_dir() and not leftover.is_symlink() and number.fullmatch(leftover.name):
+            _remove_vanishing(leftover, output_dir)
+    return deleted
+
+
+def _remove_vanishing(path: Path, output_dir: Path) -> bool:
+    """``remove_folder``, where a folder that vanished under it (removed by hand, or by another job
+    saving into the same folder) is named in a warning instead of failing the save that rotates."""
+    try:
+        remove_folder(path)
+    except FileNotFoundError as exc:
+        warnings.warn(f"{path} vanished while save_total_limit deleted it ({exc.strerror}: {exc.filename}): "
+                      f"something else deletes checkpoints in {output_dir} (another job saving there, or by hand); "
+                      "give each job its own output folder", stacklevel=4)
+        return False
+    return True
 
 
 def remove_folder(path: Path) -> None:
     """Delete a checkpoint folder: renamed out of the way first (one atomic step), then removed.
 
     Only the files that are xshard's (its manifest's, a pending commit's) go; a folder that also holds
-    other files (the user's notes, a log) keeps them, without a manifest, under its own name.
+    other files (the user's notes, a log) keeps them, without a manifest, under its own name. A
+    symbolic link is the user's: it is refused (rotation never counts one), never followed.
     """
+    if path.is_symlink():
+        raise ValueError(f"{path} is a symbolic link: xshard never deletes through one, nor the link itself")
     doomed = path if path.name.endswith(DELETED_SUFFIX) else path.with_name(path.name + DELETED_SUFFIX)
     ours = _listed(path) | {PENDING, SAVING_MARKER}
     others = [p for p in path.iterdir() if p.name not in ours and not p.name.startswith("fragment.rank")]

@@ -47,7 +47,7 @@ import torch
 from .._version import __version__
 from ..log import get_logger
 from . import async_save as background
-from . import foreign, formats
+from . import foreign, formats, output_lock
 from .files import (
     FORMAT_VERSION,
     MANIFEST,
@@ -227,17 +227,24 @@ def save_state(job: JobState, directory: str | os.PathLike, state_dict_type: str
 def _check_destination_everywhere(job: JobState, final: Path) -> None:
     """Every rank checks the destination (``check_destination``), then all learn whether any refused it.
 
+    The main process first takes the output folder for the job (a numbered checkpoint's parent:
+    ``output_lock.py``); another running job's lock there is the same refusal on every rank.
     The agreement comes before rank 0 creates the save's ``.tmp`` folder: a rank still checking while
     rank 0 creates it could otherwise see it half made (a folder, then its marker) and refuse alone.
     """
     refusal: CheckpointSaveError | None = None
     try:
+        if job.is_main_process and series(final.name) is not None:
+            output_lock.take(final.parent)  # the output folder is this job's (output_lock.py)
         check_destination(final)
     except CheckpointSaveError as exc:
         refusal = exc
-    (refused,) = _ranks_where(job, refusal is not None)
+    (in_use, refused) = _ranks_where(job, isinstance(refusal, output_lock.OutputFolderInUseError),
+                                     refusal is not None)
     if refusal is not None:
         raise refusal
+    if in_use:  # the main process's one line, read from the same lock file
+        raise output_lock.OutputFolderInUseError(output_lock.refusal(final.parent))
     if refused:
         raise CheckpointSaveError(f"cannot save a checkpoint to {final}: {refused} other rank(s) refused the folder "
                                   "(their error is in their log; every rank must see the same folder); nothing was "

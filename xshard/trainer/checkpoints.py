@@ -8,6 +8,9 @@ its own files beside them: the tokenizer, ``training_args.bin``, ``rng_state_<ra
 ``trainer_state.json``. A checkpoint counts as complete when it has both the manifest and
 ``trainer_state.json``, so a save that a crash interrupted is never resumed from.
 
+``save_total_limit`` is applied here (``rotate``), not by the stock Trainer's rotation, which counts a
+symbolic link among its checkpoints (one linked in by hand can push out the checkpoint just saved).
+
 Data loaders are not part of it: the Trainer positions its training loader from ``trainer_state.json``'s
 ``global_step`` (and its evaluation loaders are new at each evaluation).
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -26,10 +30,11 @@ from xshard.checkpoint.consolidate import consolidated_state_dict
 from xshard.checkpoint.files import MANIFEST, read_manifest
 from xshard.job import JobState
 
-__all__ = ["TRAINER_STATE", "latest", "load_job_state", "load_model_weights", "save_job_state"]
+__all__ = ["TRAINER_STATE", "latest", "load_job_state", "load_model_weights", "rotate", "save_job_state"]
 
 TRAINER_STATE = "trainer_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_DELETED = ".deleted"
 
 
 def _view(job: JobState, scheduler: Any, with_optimizer: bool) -> JobState:
@@ -84,3 +89,43 @@ def latest(output_dir: str | os.PathLike) -> Path | None:
             return path
         warnings.warn(f"skipping incomplete checkpoint {path} (its save did not finish)", stacklevel=2)
     return None
+
+
+def rotate(output_dir: str | os.PathLike, keep: int, newest: str | os.PathLike,
+           best: str | os.PathLike | None = None) -> list[Path]:
+    """``save_total_limit``: delete the oldest ``checkpoint-N`` folders under ``output_dir`` (by N) so that
+    ``keep`` remain; ``newest`` (the one just saved) and ``best`` (the best model's) are never deleted.
+
+    A symbolic link named ``checkpoint-N`` is the user's (a checkpoint kept elsewhere): it is never counted,
+    renamed or deleted through. A folder goes in two steps, renamed to ``checkpoint-N.deleted`` and then
+    removed, so a crash in between never leaves a half-deleted checkpoint under its own name; one that
+    vanished meanwhile (removed by hand, or by another job) is named in a warning. Returns what was deleted.
+    """
+    root = Path(output_dir)
+    found = sorted((int(m.group(1)), p) for p in root.iterdir()
+                   if (m := _CHECKPOINT.match(p.name)) and p.is_dir() and not p.is_symlink())
+    protected = {os.path.abspath(p) for p in (newest, best) if p is not None}
+    ordered = [p for _, p in found]
+    excess = len(ordered) - max(keep, sum(os.path.abspath(p) in protected for p in ordered))
+    deleted = []
+    for path in ordered:
+        if excess <= 0:
+            break
+        if os.path.abspath(path) in protected:
+            continue
+        excess -= 1
+        try:
+            doomed = path.with_name(path.name + _DELETED)
+            path.rename(doomed)
+            shutil.rmtree(doomed)
+        except FileNotFoundError as exc:
+            warnings.warn(f"{path} vanished while save_total_limit deleted it ({exc.strerror}: {exc.filename}): "
+                          f"something else deletes checkpoints in {root} (another job saving there, or by hand); "
+                          "give each job its own output folder", stacklevel=2)
+            continue
+        deleted.append(path)
+    for leftover in root.iterdir():  # a deletion that a crash interrupted
+        if leftover.name.endswith(_DELETED) and _CHECKPOINT.match(leftover.name.removesuffix(_DELETED)) \
+                and leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+    return deleted

@@ -26,6 +26,7 @@ Design notes:
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import os
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import transformers
 from transformers.trainer import TRAINING_ARGS_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from . import checkpoints
 from .runtime import bind_arguments, build_accelerator
@@ -133,12 +135,20 @@ class TrainerMixin(_TrainerHost):
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """The Trainer's checkpoint (its ``save_model`` call writes xshard's state; see ``checkpoints``)."""
+        """The Trainer's checkpoint (its ``save_model`` call writes xshard's state; see ``checkpoints``);
+        ``save_total_limit`` rotates with ``checkpoints.rotate`` (a symbolic link is never counted)."""
+        limit = self._xshard_save_total_limit = self.args.save_total_limit
         self._xshard_saving_checkpoint = True
+        self.args.save_total_limit = None  # the stock rotation counts links: xshard's runs below instead
         try:
             super()._save_checkpoint(model, trial)
         finally:
             self._xshard_saving_checkpoint = False
+            self.args.save_total_limit = limit
+        if self.args.should_save and limit is not None and limit > 0:
+            run_dir = self._get_output_dir(trial=trial)
+            newest = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            checkpoints.rotate(run_dir, limit, newest, self.state.best_model_checkpoint)
 
     def _save_job_state(self, output_dir: str) -> None:
         checkpoints.save_job_state(self.accelerator.job, output_dir, self.lr_scheduler,
@@ -153,7 +163,9 @@ class TrainerMixin(_TrainerHost):
         tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
         if tokenizer is not None:
             tokenizer.save_pretrained(output_dir)
-        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        args = copy.copy(self.args)  # the arguments as given (_save_checkpoint holds back save_total_limit)
+        args.save_total_limit = self._xshard_save_total_limit
+        torch.save(args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Nothing: the optimizer and scheduler are in the checkpoint's xshard state already."""
