@@ -309,5 +309,6 @@ def test_a_full_disk_is_one_line_with_bytes_needed_and_free_and_leaves_nothing(t
     needed = int(error.split("needs ")[1].split(" bytes")[0].replace(",", ""))
     free = int(error.split("bytes, ")[1].split(" are free")[0].replace(",", ""))
     assert needed > free >= 0
-    assert lines["LEFT"] == "checkpoint-1"  # no checkpoint-2.tmp, the earlier checkpoint is there
+    # no checkpoint-2.tmp, the earlier checkpoint is there (and the running job's lock on its output folder)
+    assert lines["LEFT"] == ".xshard_job.lock,checkpoint-1"
     assert "LOADED" in proc.stdout
