@@ -246,7 +246,7 @@ class ShardedDataLoader:
         #: passes of all loaders, so the one started last is the one being used (nested loops)
         self.in_iteration = False
         self.iteration_order = 0
-        #: this rank's record of the epoch's base-seed draw (checkpointed per rank)
+        #: this rank's record of the epoch's base-seed draw (checkpointed with the rank's RNG states)
         self.iterator_seed = IteratorSeed(loader)
 
     @property
@@ -274,10 +274,10 @@ class ShardedDataLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: ``{"epoch", "batches_consumed"}`` (the same on every rank), and the
-        ``generator_state`` its epoch's order was drawn from when the user's sampler draws it, and
-        this rank's ``iterator_seed_state`` (``IteratorSeed``)."""
+        ``generator_state`` its epoch's order was drawn from when the user's sampler draws it. The
+        rank's own record of its epoch's base-seed draw is ``iterator_seed.state_dict()`` (a checkpoint
+        keeps it with the rank's RNG states)."""
         state: dict[str, Any] = {"epoch": self.epoch, "batches_consumed": self.batches_consumed}
-        state.update(self.iterator_seed.state_dict())
         if self.sampler is not None and self.sampler.drawn is not None:
             state.update(self.sampler.drawn.state_dict())
         return state
@@ -286,7 +286,6 @@ class ShardedDataLoader:
         """Resume at ``state``: the next pass starts after ``batches_consumed`` batches of ``epoch``."""
         self.epoch = int(state["epoch"])
         self.batches_consumed = int(state["batches_consumed"])
-        self.iterator_seed.load_state_dict(dict(state))
         if self.sampler is not None and self.sampler.drawn is not None:
             self.sampler.drawn.load_state_dict(state)
         if self.sampler is not None and 0 < len(self) <= self.batches_consumed:

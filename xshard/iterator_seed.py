@@ -12,7 +12,7 @@ and the global RNG is left alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -58,7 +58,7 @@ class IteratorSeed:
         """``{"iterator_seed_state": ...}`` once a pass has drawn, else empty."""
         return {} if self.state is None else {"iterator_seed_state": self.state.clone()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor] | None) -> None:
+    def load_state_dict(self, state: Mapping[str, torch.Tensor] | None) -> None:
         """Replay ``state``'s draw on the next pass that continues an epoch (none recorded: draw afresh)."""
         seed_state = (state or {}).get("iterator_seed_state")
         self.state = None if seed_state is None else seed_state.clone()

@@ -126,9 +126,10 @@ def _set_rng_state(job: JobState, state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     job.backend.set_rng_state(state.get("device"))
-    for loader, seed in zip(job.loaders, state.get("data_loaders") or [], strict=False):
-        if hasattr(loader, "iterator_seed"):  # after the loaders' positions (data.pt holds rank 0's record)
-            loader.iterator_seed.load_state_dict(seed)
+    seeds = state.get("data_loaders") or []  # none in an older or a foreign checkpoint: the next pass draws afresh
+    for i, loader in enumerate(job.loaders):
+        if hasattr(loader, "iterator_seed"):
+            loader.iterator_seed.load_state_dict(seeds[i] if i < len(seeds) else None)
     if "numpy" in state:
         import numpy as np
 
