@@ -46,15 +46,16 @@ class Seeded(Dataset):
         return self.x[i], self.x[i].sum().sin(), torch.tensor(base_seed)
 
 
-def train(rank: int, world: int, out: str, save_at: int | None, resume: str, workers: int) -> tuple[dict, dict]:
+def train(rank: int, world: int, out: str, save_at: int | None, resume: str, workers: int,
+          persistent: bool = False) -> tuple[dict, dict]:
     """Train to ``TOTAL_STEPS``; save at step ``save_at`` without leaving the loader; with ``resume``
     ("position" or "skip") load that checkpoint first and continue. The final weights, and the workers'
-    base seed of each step's batch."""
+    base seed of each step's batch. ``persistent``: the loader keeps its workers (``persistent_workers``)."""
     torch.set_num_threads(1)
     acc = xshard.Accelerator(seed=0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loader = DataLoader(Seeded(), batch_size=BATCH, shuffle=True, num_workers=workers)
+    loader = DataLoader(Seeded(), batch_size=BATCH, shuffle=True, num_workers=workers, persistent_workers=persistent)
     model, opt, loader = acc.prepare(model, opt, loader)
     ckpt = Path(out) / "ckpt"
     seeds: dict[int, int] = {}
@@ -85,6 +86,7 @@ def train(rank: int, world: int, out: str, save_at: int | None, resume: str, wor
                     break
     weights = {k: v.detach().clone() for k, v in acc.get_state_dict(model).items()}
     acc.end()
+    acc.free_memory()  # persistent workers end with their loader, not at the interpreter's exit
     return weights, seeds
 
 
@@ -104,6 +106,13 @@ def test_one_process_resume_with_dropout_is_bit_exact(tmp_path, workers, save_at
     straight = train(0, 1, str(tmp_path), save_at, "none", workers)
     resumed = train(0, 1, str(tmp_path), save_at, resume, workers)
     _assert_same(resumed, straight)
+
+
+@pytest.mark.parametrize("save_at", [3, 6])
+def test_one_process_resume_with_persistent_workers_is_bit_exact(tmp_path, save_at, clean_env):
+    """Persistent workers draw their base seed once per run: the resumed run's workers get that seed."""
+    straight = train(0, 1, str(tmp_path), save_at, "none", 2, True)
+    _assert_same(train(0, 1, str(tmp_path), save_at, "position", 2, True), straight)
 
 
 def _on_two(tmp_path: Path, save_at: int, workers: int) -> None:
