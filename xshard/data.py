@@ -14,6 +14,10 @@ rank, collate function, workers) and adds what training needs:
   has a new shuffle without user code;
 - the position (epoch and batches consumed) is remembered: ``state_dict()`` / ``load_state_dict()``
   resume mid-epoch without reading the skipped samples again;
+- the RNG draw each pass makes (the workers' base seed, from torch's global RNG when the loader has no
+  generator) happens once per epoch, as in a loop that is not interrupted: a pass that continues an
+  epoch replays the epoch's draw (``IteratorSeed``), so a resumed run's dropout masks and workers' seeds
+  are the uninterrupted run's;
 - ``end_of_epoch`` is True while the last batch of an epoch is being used (the Accelerator syncs
   gradients there even when the accumulation window is not full);
 - ``real_counts()`` says, for the batch in use, how many of each rank's samples are real rather
@@ -30,6 +34,7 @@ from typing import Any, TypeGuard, cast
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
+from .iterator_seed import IteratorSeed
 from .log import get_logger
 from .sharding.trees import map_leaves
 
@@ -241,6 +246,8 @@ class ShardedDataLoader:
         #: passes of all loaders, so the one started last is the one being used (nested loops)
         self.in_iteration = False
         self.iteration_order = 0
+        #: this rank's record of the epoch's base-seed draw (checkpointed with the rank's RNG states)
+        self.iterator_seed = IteratorSeed(loader)
 
     @property
     def dataset(self) -> Any:
@@ -267,7 +274,9 @@ class ShardedDataLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: ``{"epoch", "batches_consumed"}`` (the same on every rank), and the
-        ``generator_state`` its epoch's order was drawn from when the user's sampler draws it."""
+        ``generator_state`` its epoch's order was drawn from when the user's sampler draws it. The
+        rank's own record of its epoch's base-seed draw is ``iterator_seed.state_dict()`` (a checkpoint
+        keeps it with the rank's RNG states)."""
         state: dict[str, Any] = {"epoch": self.epoch, "batches_consumed": self.batches_consumed}
         if self.sampler is not None and self.sampler.drawn is not None:
             state.update(self.sampler.drawn.state_dict())
@@ -279,6 +288,12 @@ class ShardedDataLoader:
         self.batches_consumed = int(state["batches_consumed"])
         if self.sampler is not None and self.sampler.drawn is not None:
             self.sampler.drawn.load_state_dict(state)
+        if self.sampler is not None and 0 < len(self) <= self.batches_consumed:
+            # Saved on the epoch's last batch: the next pass is the next epoch, as it is uninterrupted (and
+            # as a loop that counts its epoch and skip from the step, ``divmod(step, len(loader))``, expects).
+            if self.sampler.drawn is not None:
+                self.sampler.drawn.order_of(self.epoch)  # the generator moves on past this epoch's draw
+            self.epoch, self.batches_consumed = self.epoch + 1, 0
 
     def real_counts(self) -> tuple[list[int], int] | None:
         """(per rank, the real samples of the batch in use; the batch's samples per rank): the others
@@ -303,7 +318,8 @@ class ShardedDataLoader:
             self.sampler.set_epoch(self.epoch)
             self.sampler.start = self.batches_consumed * (self.loader.batch_size or 1)
         self.end_of_epoch = False
-        source = iter(self._wrap(self.loader))
+        with self.iterator_seed.drawing(starts_epoch=self.batches_consumed == 0):
+            source = iter(self._wrap(self.loader))
         non_blocking = bool(self.loader.pin_memory) if self._non_blocking is None else self._non_blocking
         global _ITERATIONS
         _ITERATIONS += 1

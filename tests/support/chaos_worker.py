@@ -9,9 +9,9 @@ first run has none), trains to ``TOTAL_STEPS`` optimizer steps with a checkpoint
 can kill a rank at a chosen moment: ``write`` before each file it writes into a checkpoint's ``.tmp``
 folder, and rank 0 ``rotate_begin`` / ``remove`` / ``rotated`` as its rotation starts, before each deletion
 and as it ends. ``XSHARD_CHAOS_HOLD="<name> <step>"``: once this rank has printed that event it stops there
-(the driver kills it in that phase, for certain). After each checkpoint the loop starts a fresh pass over the
-loader, in the uninterrupted run and in a resumed one alike, so the two consume the same random
-numbers (dropout is on) and must end bit for bit equal.
+(the driver kills it in that phase, for certain). The loop goes on over the loader across its checkpoints, as
+users write it (a resumed run continues the epoch where the checkpoint left it), with dropout on: the
+resumed and the uninterrupted runs must end bit for bit equal.
 """
 
 from __future__ import annotations
@@ -101,21 +101,19 @@ def main(out: Path) -> None:
     step = [acc.step]
     _report_phases(step)
     while acc.step < TOTAL_STEPS:
-        while True:  # one segment: fresh passes over the loader until the next multiple of SAVE_EVERY
-            for xb, yb in loader:
-                acc.backward(model(xb, yb))
-                opt.step()
-                sched.step()
-                opt.zero_grad()
-                event("step", acc.step)
-                if acc.step % SAVE_EVERY == 0:
-                    break
+        for xb, yb in loader:
+            acc.backward(model(xb, yb))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            event("step", acc.step)
             if acc.step % SAVE_EVERY == 0:
+                event("save_begin", acc.step)
+                step[0] = acc.step
+                acc.save_state(out / f"checkpoint-{acc.step}", save_total_limit=2)
+                event("saved", acc.step)
+            if acc.step >= TOTAL_STEPS:
                 break
-        event("save_begin", acc.step)
-        step[0] = acc.step
-        acc.save_state(out / f"checkpoint-{acc.step}", save_total_limit=2)
-        event("saved", acc.step)
     weights = model.full_state_dict()
     if acc.is_main_process:
         tmp = out / "final.pt.tmp"

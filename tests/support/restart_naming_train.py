@@ -6,7 +6,8 @@
 goes over the data loader epoch after epoch, as users write it, and calls ``save_state()`` (no folder)
 every ``SAVE_EVERY`` optimizer steps without leaving the loader. It reads its position from the
 restored state (``while accelerator.step < TOTAL_STEPS``) and never calls ``load_state``: a restarted
-job resumes by itself. Rank 0 notes each folder ``save_state`` returned in ``OUT_DIR/saved.txt`` and
+job resumes by itself. The model has dropout: the restarted job must still end at the uninterrupted
+job's weights, bit for bit. Rank 0 notes each folder ``save_state`` returned in ``OUT_DIR/saved.txt`` and
 finally writes the full weights to ``OUT_DIR/final.pt``. With KILL_AT_STEP, rank 1 of the first
 attempt kills itself right after that step (``restarts.lose_rank``).
 """
@@ -33,7 +34,7 @@ def main(out: Path, kill_at: int | None) -> None:
     acc = Accelerator(config={"stage": 3}, seed=0, project_config=project, timeout=60)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(40, 8, generator=g)
-    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.1), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
     loader = DataLoader(TensorDataset(x, x.sum(-1).sin()), batch_size=PER_RANK_BATCH, shuffle=True)

@@ -5,8 +5,9 @@
 Trains to ``TOTAL_STEPS`` optimizer steps (the loop reads its position from ``accelerator.step``),
 saving ``OUT_DIR/checkpoint-<step>`` every ``SAVE_EVERY`` steps; rank 0 finally writes the full
 weights to ``OUT_DIR/final.pt``. With KILL_AT_STEP, rank 1 of the first attempt kills itself
-(SIGKILL) right after that step, as a lost rank would die. After each checkpoint the loop starts a
-fresh pass over the loader, in an uninterrupted run and a resumed one alike.
+(SIGKILL) right after that step, as a lost rank would die. The loop goes on over the loader across its
+checkpoints, as users write it (a resumed run continues the epoch where the checkpoint left it), and
+the model has dropout: the resumed run must still end at the uninterrupted run's weights, bit for bit.
 """
 
 from __future__ import annotations
@@ -29,24 +30,22 @@ def main(out: Path, kill_at: int | None) -> None:
     acc = xshard.Accelerator(config={"stage": 3}, seed=0, timeout=60)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(40, 8, generator=g)
-    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.1), nn.Tanh(), nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
     loader = DataLoader(TensorDataset(x, x.sum(-1).sin()), batch_size=GLOBAL_BATCH // acc.world_size, shuffle=True)
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
     while acc.step < TOTAL_STEPS:
-        while True:
-            for xb, yb in loader:
-                acc.backward(nn.functional.mse_loss(model(xb).squeeze(-1), yb))
-                opt.step()
-                sched.step()
-                opt.zero_grad()
-                lose_rank(acc, kill_at)
-                if acc.step % SAVE_EVERY == 0:
-                    break
+        for xb, yb in loader:
+            acc.backward(nn.functional.mse_loss(model(xb).squeeze(-1), yb))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            lose_rank(acc, kill_at)
             if acc.step % SAVE_EVERY == 0:
+                acc.save_state(out / f"checkpoint-{acc.step}")
+            if acc.step >= TOTAL_STEPS:
                 break
-        acc.save_state(out / f"checkpoint-{acc.step}")
     weights = acc.get_state_dict(model)
     if acc.is_main_process:
         torch.save(weights, out / "final.pt")

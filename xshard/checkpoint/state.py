@@ -12,7 +12,8 @@ A checkpoint folder holds:
                                  stage resume them; as torch saves it per rank for "local")
     scheduler.pt data.pt         LR schedulers, data loaders' positions (epoch, batches consumed)
     scaler.pt                    fp16 grad scaler (when there is one)
-    rng.rank{R}.pt               python, numpy, torch and device RNG states of rank R
+    rng.rank{R}.pt               python, numpy, torch and device RNG states of rank R, and the state each
+                                 data loader drew its epoch's base seed from on rank R
     config.json                  the first model's own config, when it has ``config.to_json_string``
                                  (a transformers model): ``xshard consolidate`` then writes a
                                  ``from_pretrained`` folder
@@ -105,6 +106,9 @@ def _job(job: JobState) -> dict[str, Any]:
 def _rng_state(job: JobState) -> dict[str, Any]:
     # Plain tensors, tuples and ints only, so that torch.load(weights_only=True) reads it back.
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    # Each loader's record of the base seed its epoch drew from this rank's RNG (``IteratorSeed``).
+    state["data_loaders"] = [loader.iterator_seed.state_dict() if hasattr(loader, "iterator_seed") else {}
+                             for loader in job.loaders]
     device = job.backend.rng_state()
     if device is not None:
         state["device"] = device.detach().cpu()
@@ -122,6 +126,10 @@ def _set_rng_state(job: JobState, state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     job.backend.set_rng_state(state.get("device"))
+    seeds = state.get("data_loaders") or []  # none in an older or a foreign checkpoint: the next pass draws afresh
+    for i, loader in enumerate(job.loaders):
+        if hasattr(loader, "iterator_seed"):
+            loader.iterator_seed.load_state_dict(seeds[i] if i < len(seeds) else None)
     if "numpy" in state:
         import numpy as np
 
