@@ -15,10 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-from restarts import lose_rank
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from restarts import train_losing_a_rank
 
 import xshard
 
@@ -26,30 +23,9 @@ TOTAL_STEPS, SAVE_EVERY, GLOBAL_BATCH = 12, 3, 4
 
 
 def main(out: Path, kill_at: int | None) -> None:
-    torch.set_num_threads(1)
     acc = xshard.Accelerator(config={"stage": 3}, seed=0, timeout=60)
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(40, 8, generator=g)
-    model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.1), nn.Tanh(), nn.Linear(32, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
-    loader = DataLoader(TensorDataset(x, x.sum(-1).sin()), batch_size=GLOBAL_BATCH // acc.world_size, shuffle=True)
-    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
-    while acc.step < TOTAL_STEPS:
-        for xb, yb in loader:
-            acc.backward(nn.functional.mse_loss(model(xb).squeeze(-1), yb))
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            lose_rank(acc, kill_at)
-            if acc.step % SAVE_EVERY == 0:
-                acc.save_state(out / f"checkpoint-{acc.step}")
-            if acc.step >= TOTAL_STEPS:
-                break
-    weights = acc.get_state_dict(model)
-    if acc.is_main_process:
-        torch.save(weights, out / "final.pt")
-    acc.end()
+    train_losing_a_rank(acc, out, kill_at, TOTAL_STEPS, SAVE_EVERY, GLOBAL_BATCH // acc.world_size,
+                        save=lambda: acc.save_state(out / f"checkpoint-{acc.step}"))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""What the ``--max_restarts`` tests share: a rank lost mid-run, and the job that loses it.
+"""What the ``--max_restarts`` tests share: a rank lost mid-run, the loop that loses it, and the job.
 
-Two sides, one module: a training script in ``support/`` calls ``lose_rank(acc, kill_at)`` after each
-optimizer step (imported as ``from restarts import lose_rank``: the script's folder is first on its
-``sys.path``), and the test starts that script with ``run_job``.
+Two sides, one module: a training script in ``support/`` trains with ``train_losing_a_rank`` (which calls
+``lose_rank(acc, kill_at)`` after each optimizer step; imported as ``from restarts import ...``: the
+script's folder is first on its ``sys.path``), and the test starts that script with ``run_job``.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,41 @@ def lose_rank(acc: Any, kill_at: int | None) -> None:
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if kill_at is not None and kill_at == acc.step and first_attempt and acc.process_index == LOST_RANK:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train_losing_a_rank(acc: Any, out: Path, kill_at: int | None, total_steps: int, save_every: int,
+                        per_rank_batch: int, save: Callable[[], None]) -> None:
+    """The loop a user writes, on a tiny regression net with dropout: epoch after epoch over a plain
+    ``shuffle=True`` loader (never leaving it at a checkpoint), ``save()`` every ``save_every`` optimizer
+    steps, the position read from the restored state (``while acc.step < total_steps``; a restarted job
+    resumes by itself). Rank ``LOST_RANK`` of the first attempt dies after step ``kill_at``; rank 0 finally
+    writes the full weights to ``out/final.pt`` (the resumed run must equal the uninterrupted one's)."""
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.set_num_threads(1)
+    x = torch.randn(40, 8, generator=torch.Generator().manual_seed(7))
+    model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.1), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
+    loader = DataLoader(TensorDataset(x, x.sum(-1).sin()), batch_size=per_rank_batch, shuffle=True)
+    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    while acc.step < total_steps:
+        for xb, yb in loader:
+            acc.backward(nn.functional.mse_loss(model(xb).squeeze(-1), yb))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            lose_rank(acc, kill_at)
+            if acc.step % save_every == 0:
+                save()
+            if acc.step >= total_steps:
+                break
+    weights = acc.get_state_dict(model)
+    if acc.is_main_process:
+        torch.save(weights, out / "final.pt")
+    acc.end()
 
 
 def run_job(script: Path, out: Path, command: list[str], extra_env: dict[str, str] | None = None,
