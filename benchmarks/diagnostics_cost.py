@@ -28,8 +28,8 @@ from rank_runner import RESULT_ENV, run_ranks  # noqa: E402
 
 def _worker(args: argparse.Namespace) -> dict:
     import torch
-    from xshard.backends import get_backend
 
+    from xshard.backends import get_backend
     from xshard.sharding import ShardingOptions, shard_model
 
     backend = get_backend("cpu")

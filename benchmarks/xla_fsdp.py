@@ -84,6 +84,7 @@ def _train_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_
 
 def _replica(index: int, args: argparse.Namespace) -> None:
     import torch_xla.debug.metrics as met
+
     from xshard.backends import get_backend
 
     backend = get_backend("xla")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from xshard.backends import Backend, SingleProcessCollectives, StepPatch, World, backend_class
 from xshard.backends.launchers import SingleLauncher, TorchrunLauncher, XLALauncher
 

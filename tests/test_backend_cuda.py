@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from support.fakes.cuda import fake_cuda
+
 from xshard.backends import (
     BackendUnavailableError,
     VisibleDevicesError,

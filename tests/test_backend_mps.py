@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 from support.fakes.mps import fake_mps
+
 from xshard.backends import (
     BackendUnavailableError,
     SingleProcessCollectives,

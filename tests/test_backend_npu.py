@@ -19,6 +19,7 @@ import torch.distributed as dist
 from packaging.requirements import Requirement
 from support.distributed import run_workers
 from support.fakes.npu import install_fake_torch_npu
+
 from xshard.backends import (
     BackendUnavailableError,
     World,
@@ -26,7 +27,6 @@ from xshard.backends import (
     backend_class,
     select,
 )
-
 from xshard.sharding import ShardedGradScaler
 
 pytest_plugins = ("support.fakes.fixtures",)  # fixtures: fake_npu, make_fake_npu, no_torch_npu, no_xla

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from support.distributed import run_workers
+
 from xshard.backends import SingleProcessCollectives, World, WorldEnvironmentError, backend_class
 
 CPU = backend_class("cpu")

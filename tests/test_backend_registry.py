@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import xshard.backends as backends
 from support.toy_backend import ToyBackend
+
+import xshard.backends as backends
 from xshard.backends import (
     BackendConflictError,
     BackendUnavailableError,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from xshard.backends import VisibleDevicesError, apply_visible_devices, backend_class, parse_devices
 
 pytest_plugins = ("support.fakes.fixtures",)  # fixtures: fake_npu, make_fake_npu, no_torch_npu, no_xla

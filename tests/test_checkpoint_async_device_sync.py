@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from support.fakes.host_copies import LateHostCopies
 from support.models import RegressionNet, regression_data
 from torch.utils.data import DataLoader
-from xshard.backends import backend_class
 
 import xshard
+from xshard.backends import backend_class
 
 pytest_plugins = ("support.fakes.fixtures",)  # fixtures: fake_npu
 

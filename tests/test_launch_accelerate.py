@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from xshard.backends import Backend, Selection
 
+from xshard.backends import Backend, Selection
 from xshard.cli.launch import LaunchError, launch_options, plan_launch
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from xshard.backends.launchers.preload import preload_imports, third_party_imports
 
 LAZY_PACKAGE = '''

@@ -172,7 +172,6 @@ def test_a_bad_spelling_is_refused_naming_the_accepted_ones(clean_env, spelling)
 
 def test_fp8_says_it_is_not_supported(clean_env):
     from xshard.backends.launchers import LaunchError
-
     from xshard.cli.launch import _mixed_precision
     from xshard.config import XShardConfig, XShardConfigError
 

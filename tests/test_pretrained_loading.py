@@ -142,8 +142,8 @@ def test_stage3_ranks_hold_half_and_read_only_their_rows(loaded):
 
 def test_missing_tensor_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
-    from xshard.backends import select
 
+    from xshard.backends import select
     from xshard.pretrained import CheckpointFormatError, from_pretrained_sharded
     from xshard.sharding import ShardingOptions
 
@@ -166,7 +166,6 @@ def test_folder_without_weights_says_what_is_expected(tmp_path):
 
 def test_meta_model_at_stage_0_needs_values():
     from xshard.backends import select
-
     from xshard.sharding import ShardingOptions, shard_model
     from xshard.sharding.materialize import meta_parameters
 

@@ -10,6 +10,7 @@ import types
 import pytest
 from support.fakes.cuda import fake_cuda
 from support.fakes.mps import fake_mps
+
 from xshard.backends import (
     AUTO_ORDER,
     BackendConflictError,

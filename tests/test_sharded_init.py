@@ -12,9 +12,9 @@ from support.distributed import run_workers
 from support.models import TinyLM, batch, make_qwen2
 from support.sharding_harness import assert_matches, build, case, init_backend, reference, run_cases
 from torch import nn
-from xshard.backends import get_backend
 
 import xshard
+from xshard.backends import get_backend
 from xshard.sharding import ShardingOptions, shard_model, sharded_init
 from xshard.sharding.sharded_init import recording_of
 

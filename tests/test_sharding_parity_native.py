@@ -22,6 +22,7 @@ import pytest
 import torch
 from support.distributed import run_workers
 from support.sharding_harness import assert_matches, case, reference, run_cases_by_forms
+
 from xshard.backends import backend_class
 
 pytestmark = pytest.mark.multiprocess

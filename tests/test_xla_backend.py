@@ -12,6 +12,7 @@ torch_xla = pytest.importorskip("torch_xla", reason="needs torch_xla: make test-
 import torch  # noqa: E402
 import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
+
 from xshard.backends import BackendUnavailableError, SingleProcessCollectives, get_backend, select  # noqa: E402
 from xshard.backends.xla import XLABackend, tpu_detected  # noqa: E402
 from xshard.backends.xla_collectives import XLACollectives  # noqa: E402

@@ -26,9 +26,9 @@ import torch_xla.runtime as xr  # noqa: E402
 from support.models import batch  # noqa: E402
 from support.xla_core_runs import GLOBAL_BATCH, build_tiny, train_on_cpu_backend  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-from xshard.backends.xla import OptimizerStepPatch  # noqa: E402
 
 import xshard  # noqa: E402
+from xshard.backends.xla import OptimizerStepPatch  # noqa: E402
 from xshard.sharding import ShardingOptions, shard_model  # noqa: E402
 
 pytestmark = pytest.mark.xla

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from xshard.backends.xla import XLABackend, cpu_replicas_env, tpu_detected
 
 

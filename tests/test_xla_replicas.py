@@ -22,6 +22,7 @@ pytestmark = pytest.mark.xla
 
 def _collectives(rank: int, world_size: int, numel: int, steps: int) -> dict:
     import torch_xla.debug.metrics as met
+
     from xshard.backends import get_backend
 
     backend = get_backend("xla")
@@ -94,6 +95,7 @@ def _spy_on_all_reduce() -> None:
 
 def _patched_optimizer_step(rank: int, world_size: int) -> dict:
     import torch_xla.core.xla_model as xm
+
     from xshard.backends import get_backend
 
     _spy_on_all_reduce()

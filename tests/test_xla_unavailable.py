@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+
 from xshard.backends import BackendUnavailableError, get_backend, select
 
 pytestmark = pytest.mark.skipif(

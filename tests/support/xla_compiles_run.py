@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch_xla.debug.metrics as met
+
 from xshard.backends.xla import XLABackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "qwen_finetune"))

@@ -62,7 +62,6 @@ def gradient_squares(module: torch.nn.Module) -> dict[str, float]:
 def train_on_cpu_backend(stage: int, steps: int, checkpointing: bool = False) -> dict[str, Any]:
     """The reference: the core on the CPU backend, one process, full batches."""
     from xshard.backends import get_backend
-
     from xshard.sharding import ShardingOptions, shard_model
 
     backend = get_backend("cpu")
@@ -93,8 +92,8 @@ def train_core_on_xla(rank: int, world_size: int, stage: int, steps: int, checkp
     """
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
-    from xshard.backends import get_backend
 
+    from xshard.backends import get_backend
     from xshard.sharding import ShardingOptions, shard_model
 
     xm_all_reduce_calls = _count_xm_all_reduce()

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _compiles(world_size: int) -> int:
     """The process's compilation count, read by every replica between the same two barriers."""
     import torch_xla.debug.metrics as met
+
     from xshard.backends import replica_threads
 
     replica_threads.align(world_size)

@@ -29,8 +29,8 @@ _OPCODE = re.compile(r"^(?:\([^=]*?\)|\S+)\s+([a-z][a-z0-9\-]*)\(")
 
 def forward_hlo(rank: int, world_size: int, fenced: bool) -> str:
     import torch_xla
-    from xshard.backends import get_backend
 
+    from xshard.backends import get_backend
     from xshard.sharding import ShardingOptions, shard_model
 
     sys.path.insert(0, str(ROOT / "examples"))
