@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from .cluster import detect
 from .collectives import Collectives
 from .communication import CommunicationAPI
 from .device import DeviceAPI, StepPatch
@@ -57,7 +58,7 @@ class Backend(DeviceAPI, CommunicationAPI):
     related_env_vars: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, world: World | None = None) -> None:
-        self.world = world if world is not None else World.from_env()
+        self.world = world if world is not None else detect()
         self._collectives: Collectives | None = None
         self._owns_process_group = False
         self._subgroups = {}

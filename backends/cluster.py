@@ -27,49 +27,19 @@ rendezvous come from the scheduler. A torchrun started by each of several tasks 
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 from ..errors import WorldEnvironmentError
+from .world import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, World
 
-__all__ = ["ClusterEnvironment", "detect", "first_host", "launch_placement", "tasks_per_node"]
+__all__ = ["detect", "first_host", "launch_placement", "tasks_per_node"]
 
 #: Slurm's conventional rendezvous port: this base + the last four digits of the job id (Lightning's rule)
 SLURM_PORT_BASE = 15000
-#: torchrun's rendezvous defaults, where no cluster names them (``World`` exports them; ``xshard launch``)
-DEFAULT_MASTER_PORT = 29500
-DEFAULT_MASTER_ADDR = "127.0.0.1"
 _TORCHRUN_MARKS = ("TORCHELASTIC_RUN_ID", "GROUP_RANK")
 _KUBERNETES_MARKS = ("KUBERNETES_SERVICE_HOST", "KUBERNETES_PORT")
-
-
-@dataclass(frozen=True)
-class ClusterEnvironment:
-    """This process's place in a job and the rendezvous, as the starter of the process described it."""
-
-    #: "single", "torchrun", "env" (RANK/WORLD_SIZE by hand), "kubeflow", "slurm", "openmpi", "mpich"
-    name: str
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    node_rank: int = 0
-    num_nodes: int = 1
-    master_addr: str | None = None
-    master_port: int | None = None
-    #: the variables it read, name -> value (what `xshard env` shows)
-    read: dict[str, str] = field(default_factory=dict)
-    #: the variables that gave the rank, the world size and the local rank (for messages)
-    sources: tuple[str, str, str] = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-    def describe(self) -> str:
-        """One line: the environment and what it gives."""
-        if self.name == "single":
-            return "no launcher or scheduler: one process"
-        where = "" if self.master_addr is None else f", rendezvous {self.master_addr}:{self.master_port}"
-        return (f"{self.name}: rank {self.rank} of {self.world_size}, local rank {self.local_rank} of "
-                f"{self.local_world_size}, node {self.node_rank} of {self.num_nodes}{where}")
 
 
 class _Reader:
@@ -103,21 +73,22 @@ class _Reader:
             ) from None
 
 
-def detect(env: Mapping[str, str]) -> ClusterEnvironment:
-    """The environment this process runs in (see the module's docstring for the order and the variables)."""
-    r = _Reader(env)
+def detect(env: Mapping[str, str] | None = None) -> World:
+    """Where this process sits, read from the environment (``os.environ`` by default) that whatever started it
+    set (see the module's docstring for the order and the variables); one process when none is set."""
+    r = _Reader(os.environ if env is None else env)
     scheduler = _scheduler(r)
     if r.has("RANK") or r.has("WORLD_SIZE") or r.has("LOCAL_RANK"):
         found = _torchrun(r)
-        if scheduler is not None and found.name == "torchrun" and scheduler.local_world_size > 1:
+        if scheduler is not None and found.environment == "torchrun" and scheduler.local_world_size > 1:
             raise WorldEnvironmentError(_torchrun_inside_tasks(scheduler))
         return _checked(found)
     if scheduler is not None:
         return _checked(scheduler)
-    return ClusterEnvironment("single")
+    return World()
 
 
-def launch_placement(env: Mapping[str, str]) -> ClusterEnvironment | None:
+def launch_placement(env: Mapping[str, str]) -> World | None:
     """For `xshard launch`: the scheduler that started it once per node (nodes, node rank, rendezvous), or None.
 
     None when no scheduler started several tasks. A scheduler that started several tasks on this
@@ -132,8 +103,8 @@ def launch_placement(env: Mapping[str, str]) -> ClusterEnvironment | None:
     if scheduler.local_world_size > 1:
         raise WorldEnvironmentError(_launcher_inside_tasks(scheduler))
     # one launcher per node: the tasks are the nodes
-    return _checked(ClusterEnvironment(
-        scheduler.name, rank=scheduler.rank, world_size=scheduler.world_size, node_rank=scheduler.rank,
+    return _checked(World(
+        environment=scheduler.environment, rank=scheduler.rank, world_size=scheduler.world_size, node_rank=scheduler.rank,
         num_nodes=scheduler.world_size, master_addr=scheduler.master_addr, master_port=scheduler.master_port,
         read=scheduler.read, sources=scheduler.sources))
 
@@ -141,7 +112,7 @@ def launch_placement(env: Mapping[str, str]) -> ClusterEnvironment | None:
 # ---------------------------------------------------------------------------- the environments
 
 
-def _torchrun(r: _Reader) -> ClusterEnvironment:
+def _torchrun(r: _Reader) -> World:
     world_size = r.int("WORLD_SIZE", 1)
     rank = r.int("RANK", 0)
     marked = any(r.has(m) for m in _TORCHRUN_MARKS)
@@ -153,13 +124,13 @@ def _torchrun(r: _Reader) -> ClusterEnvironment:
         local_world = r.int("LOCAL_WORLD_SIZE", world_size)
     for mark in _TORCHRUN_MARKS:
         r.text(mark)
-    return ClusterEnvironment(name, rank, world_size, local_rank, local_world,
-                              node_rank=r.int("GROUP_RANK", 0) if marked else rank // max(1, local_world),
-                              num_nodes=max(1, world_size // max(1, local_world)),
-                              master_addr=r.text("MASTER_ADDR"), master_port=_port(r, None), read=r.read)
+    return World(rank, world_size, local_rank, local_world, master_addr=r.text("MASTER_ADDR"),
+                 master_port=_port(r, None), environment=name,
+                 node_rank=r.int("GROUP_RANK", 0) if marked else rank // max(1, local_world),
+                 num_nodes=max(1, world_size // max(1, local_world)), read=r.read)
 
 
-def _scheduler(r: _Reader) -> ClusterEnvironment | None:
+def _scheduler(r: _Reader) -> World | None:
     """The Slurm step or MPI job that started this process as one of its tasks, or None."""
     if r.has("SLURM_STEP_NUM_TASKS", "SLURM_PROCID"):
         return _slurm(r)
@@ -172,7 +143,7 @@ def _scheduler(r: _Reader) -> ClusterEnvironment | None:
     return None
 
 
-def _slurm(r: _Reader) -> ClusterEnvironment:
+def _slurm(r: _Reader) -> World:
     world_size = r.int("SLURM_STEP_NUM_TASKS")
     rank = r.int("SLURM_PROCID")
     local_rank = r.int("SLURM_LOCALID", 0)
@@ -188,12 +159,12 @@ def _slurm(r: _Reader) -> ClusterEnvironment:
     if master is None and world_size > 1:
         raise WorldEnvironmentError("Slurm names no node list (SLURM_STEP_NODELIST, SLURM_JOB_NODELIST): export "
                                     "MASTER_ADDR=<the first node's host name> before srun")
-    return ClusterEnvironment("slurm", rank, world_size, local_rank, local_world, node_rank, num_nodes,
-                              master, port, r.read, ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID"))
+    return World(rank, world_size, local_rank, local_world, master, port, "slurm", node_rank, num_nodes, r.read,
+                 ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID"))
 
 
 def _mpi(r: _Reader, name: str, rank_var: str, size_var: str, local_rank_var: str, local_size_var: str,
-         fix: str) -> ClusterEnvironment:
+         fix: str) -> World:
     world_size, rank = r.int(size_var), r.int(rank_var)
     if world_size > 1 and not r.has(local_rank_var, local_size_var):
         raise WorldEnvironmentError(f"{rank_var} is set but not {local_rank_var}/{local_size_var}: xshard cannot tell "
@@ -205,13 +176,12 @@ def _mpi(r: _Reader, name: str, rank_var: str, size_var: str, local_rank_var: st
         raise WorldEnvironmentError(
             f"{name}: this job spans several nodes ({size_var}={world_size}, {local_size_var}={local_world}) but MPI "
             f"names no rendezvous host: pass the first node's address to every rank, e.g. `{fix}`")
-    return ClusterEnvironment(name, rank, world_size, local_rank, local_world,
-                              node_rank=rank // max(1, local_world), num_nodes=max(1, world_size // max(1, local_world)),
-                              master_addr=master or DEFAULT_MASTER_ADDR, master_port=_port(r, DEFAULT_MASTER_PORT), read=r.read,
-                              sources=(rank_var, size_var, local_rank_var))
+    return World(rank, world_size, local_rank, local_world, master_addr=master or DEFAULT_MASTER_ADDR,
+                 master_port=_port(r, DEFAULT_MASTER_PORT), environment=name, read=r.read,
+                 sources=(rank_var, size_var, local_rank_var))
 
 
-def _kubeflow_pod(r: _Reader) -> ClusterEnvironment | None:
+def _kubeflow_pod(r: _Reader) -> World | None:
     """A Kubernetes pod given torchrun's options as PET_* variables (Kubeflow's training operator)."""
     if not r.has("PET_NNODES"):
         return None
@@ -222,9 +192,9 @@ def _kubeflow_pod(r: _Reader) -> ClusterEnvironment | None:
     if num_nodes == 1:
         return None
     node_rank = r.int("PET_NODE_RANK", 0)
-    return _checked(ClusterEnvironment("kubeflow", rank=node_rank, world_size=num_nodes, node_rank=node_rank,
-                                       num_nodes=num_nodes, master_addr=r.text("PET_MASTER_ADDR"),
-                                       master_port=r.int("PET_MASTER_PORT", DEFAULT_MASTER_PORT), read=r.read))
+    return _checked(World(environment="kubeflow", rank=node_rank, world_size=num_nodes, node_rank=node_rank,
+                          num_nodes=num_nodes, master_addr=r.text("PET_MASTER_ADDR"),
+                          master_port=r.int("PET_MASTER_PORT", DEFAULT_MASTER_PORT), read=r.read))
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -234,7 +204,7 @@ def _port(r: _Reader, default: int | None) -> int | None:
     return r.int("MASTER_PORT", default) if r.has("MASTER_PORT") or default is not None else None
 
 
-def _checked(found: ClusterEnvironment) -> ClusterEnvironment:
+def _checked(found: World) -> World:
     rank_var, world_var, local_var = found.sources
     if found.world_size < 1:
         raise WorldEnvironmentError(f"{world_var}={found.world_size} must be at least 1")
@@ -246,23 +216,23 @@ def _checked(found: ClusterEnvironment) -> ClusterEnvironment:
     return found
 
 
-def _torchrun_inside_tasks(scheduler: ClusterEnvironment) -> str:
-    return (f"torchrun runs inside a {scheduler.name} job that already started {scheduler.local_world_size} tasks on "
+def _torchrun_inside_tasks(scheduler: World) -> str:
+    return (f"torchrun runs inside a {scheduler.environment} job that already started {scheduler.local_world_size} tasks on "
             f"this node ({_read_line(scheduler)}): each task started its own torchrun, so the processes do not form "
-            f"one job. Either drop torchrun and let {scheduler.name} start one task per device "
+            f"one job. Either drop torchrun and let {scheduler.environment} start one task per device "
             f"(`srun --ntasks-per-node=<devices> python train.py`), or start one launcher per node "
             "(`srun --ntasks-per-node=1 xshard launch train.py`)")
 
 
-def _launcher_inside_tasks(scheduler: ClusterEnvironment) -> str:
-    return (f"xshard launch runs inside a {scheduler.name} job that started {scheduler.local_world_size} tasks on "
+def _launcher_inside_tasks(scheduler: World) -> str:
+    return (f"xshard launch runs inside a {scheduler.environment} job that started {scheduler.local_world_size} tasks on "
             f"this node ({_read_line(scheduler)}), and each task would start its own processes. Either start one "
             "launcher per node (`srun --ntasks-per-node=1 xshard launch train.py`, or mpirun with one process per "
             "node), or leave xshard launch out and let the scheduler start one task per device "
             "(`srun --ntasks-per-node=<devices> python train.py`)")
 
 
-def _read_line(found: ClusterEnvironment) -> str:
+def _read_line(found: World) -> str:
     keys = [k for k in found.read if "TASKS" in k or "LOCAL" in k or k.endswith("SIZE")]
     return ", ".join(f"{k}={found.read[k]}" for k in keys)
 

@@ -1,26 +1,29 @@
 """The World: this process's place in the job (rank, sizes, rendezvous), read from its environment.
 
-Its own module so that the contract's roles (``device.py``, ``communication.py``) and ``base.py``
-all name it without importing one another: it depends only on ``cluster`` (which reads the
-environment) and re-exports its rendezvous defaults, which both ``export`` and the process group use.
+Its own module so that the contract's roles (``device.py``, ``communication.py``), ``base.py`` and
+``cluster.py`` (which reads the environment into it) all name it without importing one another: it imports
+none of them. The rendezvous defaults live here, used by ``export`` and the process group.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from . import cluster
-from .cluster import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
+#: torchrun's rendezvous defaults, where no cluster names them (``World.export``; ``xshard launch``)
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_MASTER_ADDR = "127.0.0.1"
 
 __all__ = ["DEFAULT_MASTER_ADDR", "DEFAULT_MASTER_PORT", "World"]
 
 
 @dataclass(frozen=True)
 class World:
-    """This process's place in the job: from torchrun's variables, a Slurm step's or an MPI launcher's
-    (``cluster.detect``), or one process when none is set."""
+    """This process's place in the job and the rendezvous: the one record of it, read once from whatever
+    started the process (``cluster.detect``: torchrun's variables, a Slurm step's, an MPI launcher's, a
+    Kubeflow pod's), or one process when none is set. The backend, the ``JobState`` and through them the
+    Accelerator and Accelerate's state all ask this object."""
 
     rank: int = 0
     world_size: int = 1
@@ -31,13 +34,28 @@ class World:
     master_port: int | None = None
     #: what started this process: "single", "torchrun", "env", "kubeflow", "slurm", "openmpi", "mpich"
     environment: str = "single"
+    #: this node's rank and the node count (-1: derived from the local world size, as torchrun places ranks)
+    node_rank: int = -1
+    num_nodes: int = -1
+    #: the variables it was read from, name -> value (what `xshard env` shows)
+    read: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    #: the variables that gave the rank, the world size and the local rank (for messages)
+    sources: tuple[str, str, str] = field(default=("RANK", "WORLD_SIZE", "LOCAL_RANK"), compare=False, repr=False)
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> World:
-        """The world that the environment describes (``backends.cluster``); one process when none is set."""
-        found = cluster.detect(os.environ if env is None else env)
-        return cls(found.rank, found.world_size, found.local_rank, found.local_world_size, found.master_addr,
-                   found.master_port, found.name)
+    def __post_init__(self) -> None:
+        per_node = max(1, self.local_world_size)
+        if self.node_rank < 0:
+            object.__setattr__(self, "node_rank", self.rank // per_node)
+        if self.num_nodes < 0:
+            object.__setattr__(self, "num_nodes", max(1, self.world_size // per_node))
+
+    def describe(self) -> str:
+        """One line: the environment and what it gives."""
+        if self.environment == "single":
+            return "no launcher or scheduler: one process"
+        where = "" if self.master_addr is None else f", rendezvous {self.master_addr}:{self.master_port}"
+        return (f"{self.environment}: rank {self.rank} of {self.world_size}, local rank {self.local_rank} of "
+                f"{self.local_world_size}, node {self.node_rank} of {self.num_nodes}{where}")
 
     def export(self, env: MutableMapping[str, str] | None = None) -> None:
         """Put this world into torchrun's variables where they are unset (RANK, WORLD_SIZE, LOCAL_RANK,

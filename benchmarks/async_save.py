@@ -56,7 +56,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from torch import nn
 
     import xshard
-    from xshard.checkpoint.state import wait_for_background_save
+    from xshard.checkpoint.save_load import wait_for_background_save
 
     torch.set_num_threads(1)
     acc = xshard.Accelerator(config={"stage": 3, "state_dict_type": "sharded", "auto_wrap_policy": "size",

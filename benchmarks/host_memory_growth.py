@@ -27,7 +27,7 @@ def _worker() -> None:
     sys.path.insert(0, str(EXAMPLE))
     import finetune
 
-    from xshard.prepared import PreparedOptimizer
+    from xshard.runtime.prepared import PreparedOptimizer
 
     readings: list[float] = []
     step = PreparedOptimizer.step

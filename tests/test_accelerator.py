@@ -16,7 +16,7 @@ from support.models import RegressionNet, regression_data
 from support.sharding_harness import GRAD_RTOL
 from torch.utils.data import DataLoader, TensorDataset
 
-from xshard.data import ShardSampler
+from xshard.runtime.data import ShardSampler
 
 N, DIM, BATCH, WORLD, ACCUM, CLIP = 32, 8, 2, 2, 2, 0.05
 

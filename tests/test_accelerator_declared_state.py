@@ -11,6 +11,8 @@ import ast
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parent.parent / "xshard" / "accelerator.py"
+#: Accelerate's surface, a mixin of the Accelerator: its own state is declared on the class, with a type
+SURFACE = Path(__file__).resolve().parent.parent / "xshard" / "accelerate_compat" / "accelerator_surface.py"
 
 
 def _self_targets(node: ast.AST) -> list[str]:
@@ -23,15 +25,26 @@ def _self_targets(node: ast.AST) -> list[str]:
             if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self"]
 
 
+def _class(source: Path, name: str) -> ast.ClassDef:
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
 def _accelerator_methods() -> dict[str, ast.FunctionDef]:
-    tree = ast.parse(SOURCE.read_text(encoding="utf-8"))
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Accelerator")
-    return {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+    methods = {f.name: f for f in _class(SURFACE, "AccelerateSurface").body if isinstance(f, ast.FunctionDef)}
+    methods.update({f.name: f for f in _class(SOURCE, "Accelerator").body if isinstance(f, ast.FunctionDef)})
+    return methods
+
+
+def _surface_declared() -> set[str]:
+    """Attributes the surface declares on its class, with a type."""
+    return {n.target.id for n in _class(SURFACE, "AccelerateSurface").body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
 
 
 def test_every_accelerator_attribute_is_born_in_init() -> None:
     methods = _accelerator_methods()
-    born = {name for node in ast.walk(methods["__init__"]) for name in _self_targets(node)}
+    born = {name for node in ast.walk(methods["__init__"]) for name in _self_targets(node)} | _surface_declared()
     later = {f"{method}: self.{name}" for method, f in methods.items() if method != "__init__"
              for node in ast.walk(f) for name in _self_targets(node) if name not in born}
     assert later == set(), "declare these attributes in Accelerator.__init__"

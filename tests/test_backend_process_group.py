@@ -11,6 +11,7 @@ import torch.distributed as dist
 from support.distributed import run_workers
 
 from xshard.backends import SingleProcessCollectives, World, WorldEnvironmentError, backend_class
+from xshard.backends.cluster import detect
 
 CPU = backend_class("cpu")
 
@@ -34,7 +35,7 @@ def test_one_process_with_no_variables(clean_env) -> None:
 ])
 def test_malformed_launcher_variables(env: dict, message: str) -> None:
     with pytest.raises(WorldEnvironmentError, match=message):
-        World.from_env(env)
+        detect(env)
 
 
 @pytest.mark.parametrize("timeout", [0, -5, "soon"])

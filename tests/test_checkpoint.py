@@ -13,7 +13,7 @@ from support.distributed import run_workers
 from support.models import RegressionNet, regression_data
 from torch.utils.data import DataLoader, TensorDataset
 
-from xshard.data import ShardSampler
+from xshard.runtime.data import ShardSampler
 
 pytestmark = pytest.mark.multiprocess
 
@@ -176,7 +176,7 @@ def _late_checker_worker(rank, world_size, root):
     import time
     from pathlib import Path
 
-    from xshard.checkpoint import state as checkpoint_state
+    from xshard.checkpoint import save_load as checkpoint_state
 
     acc, model, opt, loader, sched = _job(world_size, stage=3, state_dict_type="sharded")
     _steps(acc, model, opt, loader, sched, 1)

@@ -17,7 +17,7 @@ import torch
 from support.distributed import run_workers
 from test_checkpoint import GLOBAL_BATCH, K, N, Net, _data, _job, _plain, _steps
 
-from xshard.data import ShardSampler
+from xshard.runtime.data import ShardSampler
 
 pytestmark = pytest.mark.multiprocess
 

@@ -54,7 +54,7 @@ def openmpi_task(rank: int, tasks: int = 4, per_node: int = 2) -> dict[str, str]
 
 def test_a_slurm_task_finds_its_place_and_the_first_node_as_rendezvous():
     found = detect(slurm_task(3))
-    assert (found.name, found.rank, found.world_size, found.local_rank, found.local_world_size) == ("slurm", 3, 4, 1, 2)
+    assert (found.environment, found.rank, found.world_size, found.local_rank, found.local_world_size) == ("slurm", 3, 4, 1, 2)
     assert (found.node_rank, found.num_nodes) == (1, 2)
     assert (found.master_addr, found.master_port) == ("127.0.0.1", SLURM_PORT_BASE + 4242)
     assert found.read["SLURM_PROCID"] == "3"
@@ -66,7 +66,7 @@ def test_a_slurm_task_finds_its_place_and_the_first_node_as_rendezvous():
 def test_a_batch_script_alone_is_one_process_not_a_task_of_many():
     """sbatch sets SLURM_NTASKS for the whole allocation but the batch script is one process (no step)."""
     batch = {k: v for k, v in slurm_task(0).items() if not k.startswith("SLURM_STEP")}
-    assert detect(batch).name == "single" and World.from_env(batch) == World(environment="single")
+    assert detect(batch).environment == "single" and detect(batch) == World(environment="single")
 
 
 @pytest.mark.parametrize("env, expected", [
@@ -79,8 +79,8 @@ def test_a_batch_script_alone_is_one_process_not_a_task_of_many():
 ])
 def test_mpi_torchrun_and_kubeflow_variables(env, expected):
     found = detect(env)
-    assert (found.name, found.rank, found.world_size, found.local_rank, found.local_world_size) == expected
-    world = World.from_env(env)
+    assert (found.environment, found.rank, found.world_size, found.local_rank, found.local_world_size) == expected
+    world = detect(env)
     assert (world.rank, world.world_size, world.local_rank) == expected[1:4]
 
 
@@ -95,11 +95,11 @@ def test_torchrun_inside_an_srun_step_with_a_task_per_device_is_refused_naming_t
            "GROUP_RANK": "0", "TORCHELASTIC_RUN_ID": "x"}
     with pytest.raises(WorldEnvironmentError, match=r"each task started its own torchrun.*srun --ntasks-per-node=1 "
                                                     r"xshard launch"):
-        World.from_env(env)
+        detect(env)
     # one launcher per node (xshard launch's own ranks under srun): fine
     one_per_node = {**slurm_task(1, tasks=2, per_node=1), "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
                     "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1", "TORCHELASTIC_RUN_ID": "x"}
-    assert World.from_env(one_per_node).rank == 3
+    assert detect(one_per_node).rank == 3
 
 
 def test_bad_scheduler_values_name_the_variable():

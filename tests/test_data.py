@@ -1,4 +1,4 @@
-"""xshard.data: the distributed sampler, device placement, and mid-epoch resume."""
+"""xshard.runtime.data: the distributed sampler, device placement, and mid-epoch resume."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
-from xshard.data import ShardSampler, move_to_device, shard_data_loader
+from xshard.runtime.data import ShardSampler, move_to_device, shard_data_loader
 
 
 def _rank_indices(n, world, **kw):

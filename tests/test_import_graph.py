@@ -146,9 +146,7 @@ USER_API = {"xshard", "xshard.accelerator", "xshard.trainer"}
 #: Accelerate's import paths, each a thin module re-exporting one of xshard.accelerate_compat's
 ACCELERATE_PATHS = {"xshard.state", "xshard.utils", "xshard.tracking", "xshard.metrics"}
 #: what the Accelerator is made of (docs/architecture.md, "Which module is which")
-JOB_MACHINERY = {"xshard.job", "xshard.precision", "xshard.prepared", "xshard.data", "xshard.static_shapes",
-                 "xshard.rebind", "xshard.grads", "xshard.log", "xshard.launch_marker", "xshard.checkpoint",
-                 "xshard.config", "xshard.sharding"}
+JOB_MACHINERY = {"xshard.runtime", "xshard.static_shapes", "xshard.checkpoint", "xshard.config", "xshard.sharding"}
 
 
 def test_the_job_machinery_imports_neither_the_user_api_nor_the_accelerate_surface() -> None:

@@ -1,4 +1,4 @@
-"""xshard.log: the main process logs at INFO, replicas at WARNING, both settable; rank prefixes."""
+"""xshard.runtime.rank_logging: the main process logs at INFO, replicas at WARNING, both settable; rank prefixes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from xshard.log import plan_logging
+from xshard.runtime.rank_logging import plan_logging
 
 
 def test_main_process_info_replicas_warning():
@@ -45,7 +45,7 @@ def test_prefix_only_in_multi_process_jobs():
 
 _SCRIPT = """
 import sys
-from xshard.log import setup_logging, get_logger, progress
+from xshard.runtime.rank_logging import setup_logging, get_logger, progress
 setup_logging(rank=int(sys.argv[1]), local_rank=int(sys.argv[1]), world_size=2)
 for name in ("xshard.demo", "user_script"):
     log = get_logger(name)

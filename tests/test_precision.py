@@ -1,4 +1,4 @@
-"""Mixed precision, owned by ``xshard.precision.Precision``: what it guarantees, against plain PyTorch.
+"""Mixed precision, owned by ``xshard.runtime.mixed_precision.Precision``: what it guarantees, against plain PyTorch.
 
 One process on the CPU (which computes in bf16 and fp16 under autocast). The reference is the same
 loop written with ``torch.autocast`` and ``torch.amp.GradScaler``: an fp16 step whose gradients

@@ -53,7 +53,7 @@ def test_bars_on_the_main_process_on_a_terminal_only(tmp_path, monkeypatch):
 
     from xshard.checkpoint import progress
     from xshard.checkpoint.consolidate import consolidate
-    from xshard.log import setup_logging
+    from xshard.runtime.rank_logging import setup_logging
 
     pretrained = save(tmp_path / "qwen", tie=False)
     main, replica = run_workers(_worker, 2, str(tmp_path), str(pretrained))

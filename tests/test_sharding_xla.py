@@ -73,7 +73,7 @@ def test_xla_training_matches_cpu(backend, stage: int, checkpointing: bool) -> N
 
 
 def test_cpu_model_on_xla_gets_new_parameters_that_an_optimizer_is_rebound_to(backend) -> None:
-    from xshard.rebind import rebind_optimizer
+    from xshard.runtime.rebind import rebind_optimizer
 
     model = make_tiny()
     old = list(dict.fromkeys(model.parameters()))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from xshard.data import shard_data_loader
+from xshard.runtime.data import shard_data_loader
 from xshard.static_shapes import PadToMultiple
 
 Pair = namedtuple("Pair", "tokens labels")

@@ -107,7 +107,7 @@ def _rebind_run(pass_optimizer: bool) -> str:
     """A script whose optimizer is built before prepare; passed to prepare or not."""
     return (
         "import torch, xshard\n"
-        "from xshard.rebind import StaleParameterError\n"
+        "from xshard.runtime.rebind import StaleParameterError\n"
         "acc = xshard.Accelerator(seed=0, stage=3)\n"
         "model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))\n"
         "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"

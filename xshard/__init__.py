@@ -23,7 +23,7 @@ def __getattr__(name: str) -> Any:
 
         return XShardConfig
     if name in ("get_logger", "tqdm", "progress"):
-        from . import log
+        from .runtime import rank_logging as log
 
         return getattr(log, name)
     if name in _FROM_UTILS:
@@ -31,7 +31,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(utils, name)
     if name == "skip_first_batches":
-        from .data import skip_first_batches
+        from .runtime.data import skip_first_batches
 
         return skip_first_batches
     from .accelerate_compat.missing import MODULE_NAMES

@@ -36,40 +36,40 @@ from __future__ import annotations
 import builtins
 import contextlib
 import datetime
-import functools
 import os
 import random
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.utils.data import DataLoader
 
-from . import grads
-from .accelerate_compat import metrics, project, saving, tracking
-from .accelerate_compat.state import (
+from .accelerate_compat import metrics, project, tracking
+from .accelerate_compat.accelerator_state import (
     AcceleratorState,
-    DistributedType,
     GradientState,
     share_with_accelerate,
     unshare_with_accelerate,
 )
+from .accelerate_compat.accelerator_surface import AccelerateSurface
 from .backends import Backend, select
 from .checkpoint import auto_resume
 from .config import ConfigKind, ConfigSource, read_source
 from .config.accelerate_args import AccelerateSettings, read_accelerate_args
-from .config.precision import MIXED_PRECISION
-from .data import ShardedDataLoader, shard_data_loader
-from .job import JobState
-from .launch_marker import mark_accelerator_built
-from .log import get_logger, progress, setup_logging, use_barrier
-from .precision import Precision
-from .prepared import PreparedOptimizer, PreparedScheduler
-from .rebind import StaleParameterGuard, rebind_optimizer
+from .config.precision_names import MIXED_PRECISION
+from .runtime import grads
+from .runtime.data import ShardedDataLoader, shard_data_loader
+from .runtime.job import JobState
+from .runtime.launch_marker import mark_accelerator_built
+from .runtime.mixed_precision import Precision
+from .runtime.prepared import PreparedOptimizer, PreparedScheduler
+from .runtime.rank_logging import get_logger, progress, setup_logging, use_barrier
+from .runtime.rebind import StaleParameterGuard, rebind_optimizer
+from .sharding import ShardedModel, shard_model
 
 if TYPE_CHECKING:
     from .config import XShardConfig
@@ -100,7 +100,7 @@ def _read_config_source(config: Any, compat: AccelerateSettings) -> ConfigSource
     return read_source(config, os.environ)
 
 
-class Accelerator:
+class Accelerator(AccelerateSurface):
     """One training job on one backend: process group, device, sharding, precision, accumulation.
 
     Args:
@@ -116,7 +116,7 @@ class Accelerator:
         timeout: seconds (or a timedelta) a collective may wait for the other ranks before the job stops
             with a message naming the ranks that never arrived (default: the config's ``timeout``,
             30 minutes, ``XSHARD_TIMEOUT``).
-        log_level / log_level_replica / log_on_each_node: see ``xshard.log``.
+        log_level / log_level_replica / log_on_each_node: see ``xshard.runtime.rank_logging``.
         **overrides: config fields, e.g. ``stage=2, gradient_accumulation_steps=4``, and Accelerate's
             constructor arguments (``mixed_precision``, ``gradient_accumulation_steps``, ``cpu``,
             ``split_batches``, ``dataloader_config``, ``step_scheduler_with_optimizer``,
@@ -157,9 +157,11 @@ class Accelerator:
                       log_level_replica, log_on_each_node)
         self.backend.init_process_group(timeout=timeout if timeout is not None else self.config.timeout)
         #: the job's facts (rank, world size, device, barrier: the properties below ask it), prepared
-        #: objects, step counters and the accumulation window (see ``xshard.job``)
+        #: objects, step counters and the accumulation window (see ``xshard.runtime.job``)
+        self._scaler_settings: dict[str, Any] = dict(compat.scaler_kwargs)  # GradScalerKwargs
         self.job: JobState = JobState(
             backend=self.backend, config=self.config, device=self.backend.device(),
+            precision=self._choose_precision(self.config.mixed_precision),
             gradient_accumulation_steps=int(self.config.gradient_accumulation_steps),
             gradient_clipping=float(self.config.gradient_clipping or 0.0),
         )
@@ -173,9 +175,6 @@ class Accelerator:
         if self.seeded:
             self._seed_everything(self.seed)
 
-        self._scaler_settings: dict[str, Any] = dict(compat.scaler_kwargs)  # GradScalerKwargs
-        #: the job's mixed precision: dtypes, autocast, backward and the fp16 scaler (``xshard.precision``)
-        self.precision: Precision = self._choose_precision(self.config.mixed_precision)
         self._ended: bool = False
         self._token: str = uuid.uuid4().hex  # names this Accelerator when pickled (``__reduce__``)
         _LIVE[self._token] = self
@@ -184,7 +183,6 @@ class Accelerator:
         self._data_seed: int | None = compat.data_seed
         self._non_blocking: bool | None = compat.non_blocking
         self._autocast_enabled: bool = compat.autocast_enabled
-        self._flag: torch.Tensor | None = None  # raised by set_trigger, lowered by check_trigger
         #: Accelerate's ProjectConfiguration (project_dir, logging_dir, automatic checkpoint naming):
         #: xshard's or Accelerate's own class, read by its fields
         self.project_configuration: Any = compat.project
@@ -192,7 +190,7 @@ class Accelerator:
         #: the running trackers (main process; after ``init_trackers``)
         self.trackers: list[Any] = []
         #: Accelerate's ``AcceleratorState`` and ``GradientState``, read from this job
-        #: (``xshard.accelerate_compat.state``)
+        #: (``xshard.accelerate_compat.accelerator_state``)
         self.state: AcceleratorState = AcceleratorState(
             self, "deepspeed" if source.configured_by_deepspeed else "xshard",
             self._resolve_ds_config(compat, dict(source.deepspeed) if source.deepspeed is not None else None))
@@ -249,7 +247,7 @@ class Accelerator:
         if self.job.models:
             raise ValueError("mixed_precision can only change before the first prepare(model): the prepared "
                              "model already computes in " + repr(self.precision.name))
-        self.precision = self._choose_precision(value)
+        self.job.precision = self._choose_precision(value)
 
     def supports(self, precision: str | torch.dtype) -> bool:
         """Can this process's device compute in ``precision`` ("no", "bf16", "fp16" or a torch dtype)?
@@ -259,11 +257,17 @@ class Accelerator:
         return Precision.supported(self.backend, precision)
 
     def _choose_precision(self, value: Any) -> Precision:
-        """The Precision ``value`` names, recorded in the config and the job (one owner: see ``xshard.precision``)."""
+        """The Precision ``value`` names, its name recorded in the config (one owner: see
+        ``xshard.runtime.mixed_precision``)."""
         precision = Precision.choose(value, self.backend, self._scaler_settings)
         self.config.mixed_precision = precision.name
-        self.job.precision = precision
         return precision
+
+    @property
+    def precision(self) -> Precision:
+        """The job's mixed precision: dtypes, autocast, backward, the fp16 scaler and the optimizer step
+        (``xshard.runtime.mixed_precision``; the job holds it)."""
+        return self.job.precision
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
@@ -378,8 +382,6 @@ class Accelerator:
         passes them for a model it only evaluates): the model is sharded and placed as for training,
         whose forward is the same.
         """
-        from .sharding import ShardedModel, shard_model
-
         if any(model is m for m in self.job.models):
             return model
         sharded = model if isinstance(model, ShardedModel) else shard_model(
@@ -399,7 +401,7 @@ class Accelerator:
         """Wrap ``optimizer``: steps through the backend and the grad scaler, only on sync steps.
 
         An optimizer built before ``prepare`` whose Parameters had to be replaced on the device (XLA)
-        is rebound to the replacements (see ``xshard.rebind``).
+        is rebound to the replacements (see ``xshard.runtime.rebind``).
         """
         for m in self.job.models:
             rebind_optimizer(optimizer, m.rebound_parameters.new)
@@ -411,14 +413,14 @@ class Accelerator:
         return prepared
 
     def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
-        """Wrap an LR scheduler so it steps as Accelerate's does (``xshard.prepared``)."""
+        """Wrap an LR scheduler so it steps as Accelerate's does (``xshard.runtime.prepared``)."""
         owners = [o for o in self.job.optimizers if o.optimizer is getattr(scheduler, "optimizer", None)]
         prepared = PreparedScheduler(scheduler, owners or list(self.job.optimizers), self.job)
         self.job.schedulers.append(prepared)
         return prepared
 
     def prepare_data_loader(self, loader: DataLoader, shard: bool = True) -> ShardedDataLoader:
-        """Give ``loader`` this rank's slice of every epoch (``xshard.data``) and device placement.
+        """Give ``loader`` this rank's slice of every epoch (``xshard.runtime.data``) and device placement.
 
         ``loader.batch_size`` is per process: the global batch is ``batch_size * world_size``
         (with ``split_batches=True`` it is the global batch, divided over the processes).
@@ -478,11 +480,14 @@ class Accelerator:
         For a prepared model, the whole model's gradients are clipped (the core computes one norm).
         On micro-steps inside an accumulation window it does what Accelerate does: it clips the
         gradients this process accumulated so far (not yet reduced) and returns their local norm
-        (``xshard.grads``); call it under ``if accelerator.sync_gradients:`` to clip only the
+        (``xshard.runtime.grads``); call it under ``if accelerator.sync_gradients:`` to clip only the
         finished gradients.
         """
         if self.job.sync_gradients:
-            return self.job.clip_grad_norm_(parameters, max_norm, norm_type)
+            norm = self.precision.clip_grad_norm_(self.job.models, self.job.user_optimizers(), parameters, max_norm,
+                                                  norm_type)
+            self.job.clipped = True
+            return norm
         return grads.clip_norm_(self._window_gradients(parameters), max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter] | torch.Tensor, clip_value: float) -> None:
@@ -493,8 +498,8 @@ class Accelerator:
         """
         if self.job.sync_gradients:
             params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            self.job.unscale_gradients()
-            grads.clip_value_([p.grad for p in params if p.grad is not None], clip_value)
+            self.precision.clip_grad_value_(self.job.user_optimizers(), [p.grad for p in params if p.grad is not None],
+                                            clip_value)
         else:
             grads.clip_value_(self._window_gradients(parameters), clip_value)
 
@@ -617,145 +622,6 @@ class Accelerator:
         self.config.train_micro_batch_size_per_gpu, self.config.train_batch_size = micro, total
         plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=micro, train_batch_size=total)
 
-    @property
-    def _models(self) -> list[torch.nn.Module]:
-        """The prepared models, under the name Accelerate keeps them (the transformers Trainer reads it)."""
-        return self.job.models
-
-    @property
-    def distributed_type(self) -> DistributedType:
-        """How the job is distributed, in Accelerate's names (``xshard.accelerate_compat.state``)."""
-        return self.state.distributed_type
-
-    @property
-    def num_processes(self) -> int:
-        """Accelerate's name for ``world_size``."""
-        return self.world_size
-
-    @property
-    def process_index(self) -> int:
-        """Accelerate's name for ``rank``."""
-        return self.rank
-
-    @property
-    def local_process_index(self) -> int:
-        """Accelerate's name for ``local_rank``."""
-        return self.local_rank
-
-    @property
-    def is_last_process(self) -> bool:
-        """True on the highest global rank."""
-        return self.job.is_last_process
-
-    @property
-    def use_distributed(self) -> bool:
-        """True when the job has more than one process."""
-        return self.job.use_distributed
-
-    @property
-    def split_batches(self) -> bool:
-        """A loader's ``batch_size`` is the global batch (divided over the processes)."""
-        return self.job.split_batches
-
-    @property
-    def even_batches(self) -> bool:
-        """Always True: the last batch is evened out by repeats that ``gather_for_metrics`` drops."""
-        return True
-
-    @property
-    def dataloader_config(self) -> Any:
-        """How ``prepare`` splits data loaders, as Accelerate's ``DataLoaderConfiguration``: every rank
-        reads its own evened samples (``even_batches``), shuffled from one seed (``use_seedable_sampler``),
-        with a position that ``save_state`` keeps (``use_stateful_dataloader``)."""
-        from .accelerate_compat.utils import DataLoaderConfiguration
-
-        return DataLoaderConfiguration(split_batches=self.split_batches, dispatch_batches=False, even_batches=True,
-                                       use_seedable_sampler=True, data_seed=self._data_seed,
-                                       non_blocking=bool(self._non_blocking), use_stateful_dataloader=True)
-
-    @property
-    def non_blocking(self) -> bool:
-        """Batches are copied to the device without waiting (``DataLoaderConfiguration.non_blocking``)."""
-        return bool(self._non_blocking)
-
-    @property
-    def dispatch_batches(self) -> bool:
-        """Always False: every rank reads its own samples (no batch is dispatched from rank 0)."""
-        return False
-
-    @property
-    def use_seedable_sampler(self) -> bool:
-        """Always True: a shuffle comes from one seed and the epoch, the same order on every rank (a loader
-        with its own ``torch.Generator`` draws from it instead, with rank 0's state: ``xshard.data.DrawnOrder``)."""
-        return True
-
-    @property
-    def use_stateful_dataloader(self) -> bool:
-        """Always True: prepared loaders have ``state_dict()`` and their position is checkpointed."""
-        return True
-
-    @property
-    def step_scheduler_with_optimizer(self) -> bool:
-        """The prepared scheduler steps with the optimizer (Accelerate's rule), else on every call."""
-        return self.job.step_scheduler_with_optimizer
-
-    @property
-    def device_placement(self) -> bool:
-        """Always True: prepared loaders put batches on the device."""
-        return True
-
-    @property
-    def native_amp(self) -> bool:
-        """True when the job computes in bf16 or fp16."""
-        return self.compute_dtype is not None
-
-    @property
-    def deepspeed_plugin(self) -> Any:
-        """``state.deepspeed_plugin`` (None unless the config came from DeepSpeed)."""
-        return self.state.deepspeed_plugin
-
-    @property
-    def is_fsdp2(self) -> bool:
-        """True when parameters are sharded (stages 1-3 answer in FSDP2's terms, ``state.fsdp_plugin``)."""
-        return self.distributed_type == DistributedType.FSDP
-
-    @property
-    def multi_device(self) -> bool:
-        """True when the job has more than one process."""
-        return self.job.use_distributed
-
-    @contextlib.contextmanager
-    def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
-        """Accelerate's context for ranks whose loaders yield different numbers of batches. Prepared
-        loaders always give every rank the same number of batches (the last one evened out by repeats
-        that ``gather_for_metrics`` drops), so no rank waits for a collective the others never reach,
-        and the block runs as is. ``even_batches=False`` cannot be honoured and is warned."""
-        if even_batches is False and self.is_main_process:
-            warnings.warn("join_uneven_inputs(even_batches=False): xshard's prepared loaders always even the last "
-                          "batch (gather_for_metrics drops the repeats); the block runs with even batches",
-                          stacklevel=3)
-        yield
-
-    @property
-    def project_dir(self) -> str | None:
-        """The project folder (``project_dir`` / ``project_config``)."""
-        return getattr(self.project_configuration, "project_dir", None)
-
-    @property
-    def logging_dir(self) -> str | None:
-        """Where trackers write (default: ``project_dir``)."""
-        return getattr(self.project_configuration, "logging_dir", None)
-
-    @property
-    def save_iteration(self) -> int:
-        """The number of the next automatic checkpoint."""
-        return int(getattr(self.project_configuration, "iteration", 0))
-
-    @property
-    def optimizer_step_was_skipped(self) -> bool:
-        """True when the last optimizer step was skipped (fp16 inf/nan gradients): leave the LR alone."""
-        return any(opt.step_was_skipped for opt in self.job.optimizers)
-
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
         """Backward passes in the block accumulate gradients locally, without communication; the
@@ -773,8 +639,14 @@ class Accelerator:
             yield
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
-        """Divide fp16 gradients by the loss scale (once per step; clipping does it itself)."""
-        self.job.unscale_gradients()
+        """Divide fp16 gradients by the loss scale (once per step; clipping does it itself): ``optimizer``'s
+        (a prepared optimizer or a list of them), or every prepared optimizer's."""
+        if optimizer is None:
+            chosen = self.job.user_optimizers()
+        else:
+            given = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+            chosen = [o.optimizer if isinstance(o, PreparedOptimizer) else o for o in given]
+        self.precision.unscale(chosen)
 
     # ------------------------------------------------------------------ evaluation across processes
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
@@ -794,110 +666,10 @@ class Accelerator:
         if found is None:
             return data
         counts, batch_len = found
+        assert loader is not None  # found is None without a loader
         return metrics.in_loader_order(data, counts, batch_len, self.world_size, loader.batch_size)
 
-    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
-        """Pad tensor(s) along ``dim`` to the largest size on any process, so they can be gathered."""
-        return metrics.pad_across_processes(self.backend.collectives, self.device, tensor, dim, pad_index, pad_first)
-
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Any:
-        """Context manager giving this process its contiguous share of a list, tensor or dict of them."""
-        return metrics.split_between_processes(inputs, self.rank, self.world_size, apply_padding)
-
-    def set_trigger(self) -> None:
-        """Raise a flag on this process that ``check_trigger`` sees on every process."""
-        self._flag = torch.ones((), device=self.device)
-
-    def check_trigger(self) -> bool:
-        """True on every process when any process called ``set_trigger`` (then the flag is lowered)."""
-        flag = self._flag if self._flag is not None else torch.zeros((), device=self.device)
-        raised = bool(self.reduce(flag, "sum").item() >= 1)
-        if raised:
-            self._flag = None
-        return raised
-
-    # ------------------------------------------------------------------ which process runs what
-    @contextlib.contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
-        """Run the block on each node's local rank 0 first, then on the node's other processes."""
-        if not self.is_local_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_local_main_process:
-            self.wait_for_everyone()
-
-    def _only_on(self, run: bool, function: Callable[..., Any] | None) -> Any:
-        def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-            @functools.wraps(fn)
-            def inner(*args: Any, **kwargs: Any) -> Any:
-                return fn(*args, **kwargs) if run else None
-            return inner
-        return decorate if function is None else decorate(function)
-
-    def on_main_process(self, function: Callable[..., Any] | None = None) -> Any:
-        """Decorator: the function runs on global rank 0 only (elsewhere it returns None)."""
-        return self._only_on(self.is_main_process, function)
-
-    def on_local_main_process(self, function: Callable[..., Any] | None = None) -> Any:
-        """Decorator: the function runs on each node's local rank 0 only."""
-        return self._only_on(self.is_local_main_process, function)
-
-    def on_last_process(self, function: Callable[..., Any] | None = None) -> Any:
-        """Decorator: the function runs on the last global rank only."""
-        return self._only_on(self.is_last_process, function)
-
-    def on_process(self, function: Callable[..., Any] | None = None, process_index: int | None = None) -> Any:
-        """Decorator: the function runs on global rank ``process_index`` only."""
-        return self._only_on(self.rank == process_index, function)
-
-    def on_local_process(self, function: Callable[..., Any] | None = None,
-                         local_process_index: int | None = None) -> Any:
-        """Decorator: the function runs on local rank ``local_process_index`` of each node only."""
-        return self._only_on(self.local_rank == local_process_index, function)
-
-    # ------------------------------------------------------------------ experiment tracking
-    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
-                      init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
-        """Start the ``log_with`` trackers for run ``project_name`` and record ``config`` (main process)."""
-        if self.is_main_process:
-            self.trackers = tracking.start(self._tracker_choice, project_name, self.logging_dir, config, init_kwargs)
-
-    def log(self, values: dict[str, Any], step: int | None = None,
-            log_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
-        """Log ``values`` at ``step`` to every tracker (main process; elsewhere nothing happens)."""
-        for tracker in self.trackers:
-            tracker.log(values, step=step, **(log_kwargs or {}).get(getattr(tracker, "name", ""), {}))
-
-    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The running tracker ``name`` (its library's object with ``unwrap``; a do-nothing one off main)."""
-        return tracking.find(self.trackers, name, unwrap)
-
-    def end_training(self) -> None:
-        """Finish the trackers (their files are complete), then leave the process group (``end``)."""
-        for tracker in self.trackers:
-            tracker.finish()
-        self.trackers = []
-        self.end()
-
-    # ------------------------------------------------------------------ saving for other programs
-    def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
-        """``torch.save`` on the main process (``safe_serialization``: a safetensors file of tensors)."""
-        if self.is_main_process:
-            saving.save_object(obj, f, safe_serialization)
-
-    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """The whole model's weights (keys as the user's module), complete on the main process and
-        empty elsewhere; every process must call it (the shards are gathered)."""
-        return self.full_state_dict(model)
-
-    def save_model(self, model: torch.nn.Module, save_directory: str | os.PathLike,
-                   max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
-        """Write the whole weights as transformers does (``model.safetensors``, or shard files with
-        ``model.safetensors.index.json``; ``xshard.accelerate_compat.saving``). Every process must call it."""
-        state = self.get_state_dict(model)
-        if self.is_main_process:
-            saving.write_model(state, save_directory, max_shard_size, safe_serialization)
-
+    # ------------------------------------------------------------------ checkpoints: what they hold, where a loader resumes
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Save and load these objects' ``state_dict()`` with ``save_state`` / ``load_state``."""
         invalid = [i for i, obj in enumerate(objects)
@@ -918,25 +690,11 @@ class Accelerator:
             project.continue_after(self.project_configuration, loaded)
 
     def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
-        """The loader from batch ``num_batches`` of its current epoch on (``xshard.data``): after
+        """The loader from batch ``num_batches`` of its current epoch on (``xshard.runtime.data``): after
         ``load_state`` restored that position, nothing more is skipped."""
-        from .data import skip_first_batches
+        from .runtime.data import skip_first_batches
 
         return skip_first_batches(dataloader, num_batches)
-
-    def free_memory(self, *objects: Any) -> list[Any]:
-        """Forget every prepared object (models' hooks removed), reset the step, collect garbage;
-        returns one None per object (``model, optimizer = accelerator.free_memory(model, optimizer)``)."""
-        from .accelerate_compat.utils import release_memory
-
-        self._close_models()
-        for kept in (self.job.models, self.job.optimizers, self.job.schedulers, self.job.loaders):
-            kept.clear()
-        self.job.step = self.job.micro_step = 0
-        self.job.sync_gradients = True
-        return release_memory(*objects)
-
-    clear = free_memory
 
     # ------------------------------------------------------------------ models and state
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
@@ -1018,7 +776,7 @@ class Accelerator:
         (``xshard.checkpoint.output_lock``); safe to call twice."""
         if not self._ended:
             from .checkpoint import output_lock
-            from .checkpoint.state import wait_for_background_save
+            from .checkpoint.save_load import wait_for_background_save
 
             wait_for_background_save(self.job)  # an async save is complete (or its error raised) before the end
             self.wait_for_everyone()
@@ -1039,11 +797,12 @@ class Accelerator:
             if close is not None:
                 close()
 
-    def __getattr__(self, name: str) -> Any:
-        # only reached for names that are not found: Accelerate's members xshard lacks get xshard's way
-        from .accelerate_compat.missing import ACCELERATOR_MEMBERS, missing_member
+    if not TYPE_CHECKING:  # hidden from the type checker, so that a misspelt member is an error there
+        def __getattr__(self, name: str) -> Any:
+            # only reached for names that are not found: Accelerate's members xshard lacks get xshard's way
+            from .accelerate_compat.missing import ACCELERATOR_MEMBERS, missing_member
 
-        raise missing_member("Accelerator", name, ACCELERATOR_MEMBERS)
+            raise missing_member("Accelerator", name, ACCELERATOR_MEMBERS)
 
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         """Pickled as a reference to this process's Accelerator: ``copy.deepcopy`` and the pickling
@@ -1083,7 +842,7 @@ def _owns(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
     return any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
 
 
-def _warn_outside_models(optimizer: torch.optim.Optimizer, models: list[torch.nn.Module]) -> None:
+def _warn_outside_models(optimizer: torch.optim.Optimizer, models: Sequence[torch.nn.Module]) -> None:
     """Say so at prepare time when an optimizer trains Parameters that no prepared model holds.
 
     Such Parameters are neither sharded nor averaged over ranks (as with DDP, which syncs only its

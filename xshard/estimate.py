@@ -76,7 +76,7 @@ class EstimateError(XShardError, ValueError):
 @dataclass(frozen=True)
 class StateBytes:
     """Bytes per parameter of each model state, and per activation element, for one training dtype
-    (what the estimate needs of a precision; the job's precision itself is ``xshard.precision.Precision``)."""
+    (what the estimate needs of a precision; the job's precision itself is ``xshard.runtime.mixed_precision.Precision``)."""
 
     name: str
     param_bytes: int

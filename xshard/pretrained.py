@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .checkpoint.progress import slow_progress
-from .log import get_logger
+from .runtime.rank_logging import get_logger
 from .sharding import ShardedModel, ShardingOptions, ShardingPlan, shard_model
 from .sharding.materialize import fill_parameters, fill_shards, meta_parameters
 

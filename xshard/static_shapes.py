@@ -24,15 +24,15 @@ that are not padded and change shape from batch to batch get one log line saying
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
-from .log import get_logger
-
-log = get_logger("xshard.static_shapes")
+#: a child of the "xshard" logger: it follows the per-rank levels ``xshard.runtime.rank_logging`` sets
+log = logging.getLogger(__name__)
 
 #: pad values by key; every other padded tensor gets 0
 PAD_VALUES = {"labels": -100}

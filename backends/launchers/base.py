@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from ...errors import XShardError
-from ..cluster import DEFAULT_MASTER_ADDR
+from ..world import DEFAULT_MASTER_ADDR
 from .parent_death import PARENT_ENV
 
 if TYPE_CHECKING:

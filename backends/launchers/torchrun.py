@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ..cluster import DEFAULT_MASTER_ADDR as _LOOPBACK  # this machine's rendezvous address
+from ..world import DEFAULT_MASTER_ADDR as _LOOPBACK  # this machine's rendezvous address
 from .base import GUARD, Launcher, LaunchError, LaunchPlan, LaunchRequest, exit_code
 
 #: a file that outlives the ranks of a job with restarts: the ranks note there where they save

@@ -37,7 +37,7 @@ from train_loop import (  # noqa: E402
 
 import xshard  # noqa: E402
 from xshard.config import XShardConfig  # noqa: E402
-from xshard.log import get_logger  # noqa: E402
+from xshard.logging import get_logger  # noqa: E402
 
 log = get_logger("xshard.examples.finetune")
 

@@ -61,7 +61,8 @@ def _report_phases(step: list[int]) -> None:
     rotate_begin <step>`` as save_total_limit's rotation starts, ``EVENT remove <step>`` before each folder it
     deletes and ``EVENT rotated <step>`` as it ends, so that the driver can kill a rank mid-save or mid-rotation
     and tell where its kill landed."""
-    from xshard.checkpoint import files, state
+    from xshard.checkpoint import files
+    from xshard.checkpoint import save_load as state
 
     rotate, remove_folder, write = files.rotate, files.remove_folder, files.FileWriter._write
 

@@ -179,7 +179,7 @@ def run_sharded(backend, rank: int, world_size: int, c: dict[str, Any]) -> dict[
     options = ShardingOptions(stage=c["stage"], auto_wrap_policy=c["policy"], **c["options"])
     sm = shard_model(model, backend, options)
     if opt is not None and c["sharded_init"]:  # built on the meta parameters: rebind, as Accelerator.prepare does
-        from xshard.rebind import rebind_optimizer
+        from xshard.runtime.rebind import rebind_optimizer
 
         rebind_optimizer(opt, sm.rebound_parameters.new)
     initial = sm.full_state_dict() if c["sharded_init"] else None

@@ -7,7 +7,7 @@ Imports nothing (``import xshard`` stays light).
 
 from __future__ import annotations
 
-# the names are xshard.config.precision's MIXED_PRECISION_NAMES (not imported: this module imports nothing)
+# the names are xshard.config.precision_names's MIXED_PRECISION_NAMES (not imported: this module imports nothing)
 _FP8 = "fp8 is not supported: mixed_precision is 'no', 'bf16' or 'fp16'"
 _PARALLELISM = "xshard has data parallelism (sharded or not) only: the data-parallel rank is accelerator.process_index"
 

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..log import get_logger
+from ..runtime.rank_logging import get_logger
 
 __all__ = ["MLflowTracker", "TRACKERS", "TensorBoardTracker", "TrackerError", "WandBTracker", "find",
            "resolve", "start"]

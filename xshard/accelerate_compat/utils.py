@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from ..config.project_configuration import ProjectConfiguration
-from ..data import move_to_device
-from ..log import progress as tqdm
-from .state import DistributedType
+from ..runtime.data import move_to_device
+from ..runtime.rank_logging import progress as tqdm
+from .accelerator_state import DistributedType
 
 __all__ = [
     "AutocastKwargs", "DataLoaderConfiguration", "DeepSpeedPlugin", "DistributedDataParallelKwargs",

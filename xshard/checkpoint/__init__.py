@@ -11,6 +11,6 @@
 """
 
 from .files import CheckpointError, CheckpointMismatchError, latest_checkpoint
-from .state import load_state, resume, save_state
+from .save_load import load_state, resume, save_state
 
 __all__ = ["CheckpointError", "CheckpointMismatchError", "latest_checkpoint", "load_state", "resume", "save_state"]

@@ -48,12 +48,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..log import get_logger
+from ..runtime.rank_logging import get_logger
 from .files import CheckpointError, FileWriter
 from .tensorfile import PT_METADATA, safetensors_header, tensor_bytes
 
 if TYPE_CHECKING:
-    from ..job import JobState
+    from ..runtime.job import JobState
 
 log = get_logger("xshard.checkpoint")
 
@@ -218,9 +218,10 @@ class AsyncSaver:
     @classmethod
     def of(cls, job: JobState) -> AsyncSaver:
         """The job's saver (made at its first async save)."""
-        if job.async_saver is None:
-            job.async_saver = cls(job)
-        return job.async_saver
+        saver = job.async_saver
+        if not isinstance(saver, AsyncSaver):
+            saver = job.async_saver = cls(job)
+        return saver
 
     def start(self, tmp: Path, final: Path, write_files: Callable[[Any], dict[str, Any]],
               commit: Callable[[], None] | None, synchronize: Callable[[], None]) -> None:

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..backends.launchers.torchrun import RESUME_FILE_ENV
-from ..log import get_logger
+from ..runtime.rank_logging import get_logger
 from .files import MANIFEST, latest_checkpoint, read_manifest
-from .state import resume
+from .save_load import resume
 
 if TYPE_CHECKING:
-    from ..job import JobState
+    from ..runtime.job import JobState
 
 __all__ = ["RESTART_ENV", "RESUME_FILE_ENV", "checkpoint_folder", "record", "restart_checkpoint", "restart_count"]
 

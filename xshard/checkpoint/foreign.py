@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..log import get_logger
+from ..runtime.rank_logging import get_logger
 from .files import CheckpointError, CheckpointMismatchError
 from .formats import optimizer_param_keys, read_model_rows, read_optimizer_rows
 from .sources import DcpSource, DictSource, SafetensorsSource
 
 if TYPE_CHECKING:
-    from ..job import JobState
+    from ..runtime.job import JobState
 
 log = get_logger("xshard.checkpoint")
 

@@ -1,6 +1,6 @@
 """Progress bars for slow file work: saving, loading and consolidating checkpoints, sharded loading.
 
-A bar is drawn by the main process only, only on a terminal (``xshard.log.progress``), and only
+A bar is drawn by the main process only, only on a terminal (``xshard.runtime.rank_logging.progress``), and only
 once the operation has run for ``SLOW_AFTER_S`` seconds: a quick save of a small model prints
 nothing, a multi-GB one shows how far it got and how fast it goes.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..log import progress
+from ..runtime.rank_logging import progress
 
 #: seconds an operation runs before its bar appears
 SLOW_AFTER_S = 3.0

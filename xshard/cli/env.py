@@ -75,7 +75,7 @@ def cluster_report(env: dict[str, str] | None = None) -> dict[str, Any]:
     nodes it would fill in."""
     env = dict(os.environ if env is None else env)
     found = cluster.detect(env)
-    report: dict[str, Any] = {"environment": found.name, "summary": found.describe(), "read": found.read}
+    report: dict[str, Any] = {"environment": found.environment, "summary": found.describe(), "read": found.read}
     try:
         placement = cluster.launch_placement(env)
     except XShardError as exc:  # several tasks on this node: a launcher here would be refused

@@ -140,7 +140,7 @@ def _check_counts(opts: LaunchOptions) -> None:
 
 def _mixed_precision(value: str) -> str:
     """The canonical name of ``--mixed_precision`` (the config's spellings), or a LaunchError saying the fix."""
-    from xshard.config.precision import (
+    from xshard.config.precision_names import (
         ACCELERATE_ORDER,
         MIXED_PRECISION_NAMES,
         not_supported_reason,
@@ -238,8 +238,8 @@ def launch(opts: LaunchOptions) -> int:
     """Plan and run: the whole of `xshard launch`."""
     import tempfile
 
-    from xshard.launch_marker import MARKER_ENV, accelerator_was_built
-    from xshard.log import get_logger, setup_logging
+    from xshard.runtime.launch_marker import MARKER_ENV, accelerator_was_built
+    from xshard.runtime.rank_logging import get_logger, setup_logging
 
     setup_logging()
     plan = plan_launch(opts)

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from xshard.backends.cluster import launch_placement
 from xshard.cli.launch_options import LaunchOptions
-from xshard.log import get_logger
+from xshard.runtime.rank_logging import get_logger
 
 log = get_logger("xshard.launch")
 
@@ -31,6 +31,6 @@ def with_cluster_defaults(opts: LaunchOptions, env: Mapping[str, str]) -> Launch
         master_addr=opts.master_addr if opts.master_addr is not None else found.master_addr,
         master_port=opts.master_port if opts.master_port is not None else found.master_port,
     )
-    log.info("%s: node %d of %d, rendezvous %s:%s (from %s)", found.name, filled.node_rank, filled.nnodes,
+    log.info("%s: node %d of %d, rendezvous %s:%s (from %s)", found.environment, filled.node_rank, filled.nnodes,
              filled.master_addr, filled.master_port, ", ".join(f"{k}={v}" for k, v in found.read.items()))
     return filled

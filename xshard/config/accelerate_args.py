@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .precision import MIXED_PRECISION
+from .precision_names import MIXED_PRECISION
 from .values import Reading, parse_bool, parse_choice, parse_float, parse_int, parse_stage
 
 #: Accelerate's constructor arguments (taken out of ``**kwargs``; the rest are xshard config fields)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from xshard.config.precision import DEEPSPEED_SECTIONS, parse_dtype
+from xshard.config.precision_names import DEEPSPEED_SECTIONS, parse_dtype
 from xshard.config.values import (
     Reading,
     XShardConfigError,

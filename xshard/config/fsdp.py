@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from xshard.config.precision import parse_dtype, parse_mixed_precision
+from xshard.config.precision_names import parse_dtype, parse_mixed_precision
 from xshard.config.values import (
     Reading,
     XShardConfigError,

@@ -37,7 +37,7 @@ from xshard.backends import names as backend_names
 from xshard.config.auto import ScriptArgs, resolve_auto
 from xshard.config.deepspeed import read_deepspeed
 from xshard.config.fsdp import STATE_DICT, WRAP, read_accelerate, read_hf_fsdp
-from xshard.config.precision import parse_dtype, parse_mixed_precision, torch_dtype
+from xshard.config.precision_names import parse_dtype, parse_mixed_precision, torch_dtype
 from xshard.config.source import ConfigKind, ConfigSource, parse_text, read_bytes, read_config_source
 from xshard.config.values import (
     Reading,

@@ -1,7 +1,7 @@
 """Gradient clipping by the norm of gradient tensors: local, or over all ranks' gradient shards.
 
 One implementation serves both callers: the sharded model (``ShardedModel.clip_grad_norm_``, the
-global norm after the reduce) and ``xshard.grads`` (inside an accumulation window, this process's
+global norm after the reduce) and ``xshard.runtime.grads`` (inside an accumulation window, this process's
 gradients accumulated so far and their local norm, as Accelerate does).
 """
 
@@ -12,10 +12,12 @@ from collections.abc import Iterable
 
 import torch
 
+from ..backends import Collectives
+
 
 def clip_norm_(
     grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, *, device: torch.device | None = None,
-    collectives=None,
+    collectives: Collectives | None = None,
 ) -> torch.Tensor:
     """Scale ``grads`` in place so their ``norm_type`` norm is at most ``max_norm``; return the norm.
 
@@ -50,7 +52,7 @@ def clip_norm_(
 
 
 def clip_grad_norm_(
-    params: Iterable[torch.Tensor], max_norm: float, norm_type: float, collectives, device: torch.device,
+    params: Iterable[torch.Tensor], max_norm: float, norm_type: float, collectives: Collectives, device: torch.device,
     sharded: bool,
 ) -> torch.Tensor:
     """Scale the gradients of ``params`` so their global ``norm_type`` norm is at most ``max_norm``.

@@ -177,11 +177,15 @@ class ShardedModel(nn.Module):
         self._engine.forward_started()
         return self.module(*args, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["module"], name)
+    if not TYPE_CHECKING:
+        # The wrapped module's attributes at run time (``model.config``, ``model.generate``), as DDP's and
+        # FSDP's wrappers give them. Hidden from the type checker, which then sees nn.Module's own
+        # ``__getattr__`` (tensors and submodules) and no ``Any`` that would accept a misspelt name.
+        def __getattr__(self, name: str) -> Any:
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self._modules["module"], name)
 
     @property
     def stage(self) -> int:

@@ -59,7 +59,7 @@ class ReduceTiming(enum.Enum):
 class PrecisionPolicy:
     """The sharded core's mixed-precision policy: which dtype each tensor takes (built from the options).
 
-    The job's precision (its name, autocast, backward and the fp16 scaler) is ``xshard.precision.Precision``,
+    The job's precision (its name, autocast, backward and the fp16 scaler) is ``xshard.runtime.mixed_precision.Precision``,
     outside the core; it sets ``output_dtype`` through the options.
 
     param_dtype: dtype of the full compute copies (stages 1-3) and of autocast; None: the model's.

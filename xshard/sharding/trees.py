@@ -1,7 +1,7 @@
 """The one walker over nested data: tensors inside dicts (any Mapping), lists, tuples and named tuples.
 
 The sharded core walks a module's inputs and outputs with it (model-output classes are Mappings),
-``xshard.data`` moves batches with it and ``xshard.metrics`` gathers and pads with it. A container
+``xshard.runtime.data`` moves batches with it and ``xshard.metrics`` gathers and pads with it. A container
 whose leaves all come back unchanged is returned as it is; otherwise it is rebuilt as its own type
 (a Mapping whose type cannot be built from a dict, as a plain dict). Every other object is a leaf.
 """

@@ -40,7 +40,7 @@ import transformers
 
 from xshard.config import XShardConfigWarning, parse_text
 from xshard.config.fsdp import hf_fsdp_items
-from xshard.config.precision import torch_dtype
+from xshard.config.precision_names import torch_dtype
 
 from .config import sharding_config
 
@@ -118,7 +118,7 @@ class XShardDistributedState:
 
     @property
     def distributed_type(self) -> Any:
-        from xshard.accelerate_compat.state import _DATA_PARALLEL, DistributedType
+        from xshard.accelerate_compat.accelerator_state import _DATA_PARALLEL, DistributedType
 
         if self.num_processes == 1:
             return DistributedType.NO

@@ -28,7 +28,7 @@ from typing import Any
 from xshard.checkpoint import load_state, save_state
 from xshard.checkpoint.consolidate import consolidated_state_dict
 from xshard.checkpoint.files import MANIFEST, read_manifest
-from xshard.job import JobState
+from xshard.runtime.job import JobState
 
 __all__ = ["TRAINER_STATE", "latest", "load_job_state", "load_model_weights", "rotate", "save_job_state"]
 

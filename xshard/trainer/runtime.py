@@ -31,7 +31,7 @@ from typing import Any
 from xshard.accelerate_compat.utils import DataLoaderConfiguration, release_memory
 from xshard.accelerator import Accelerator
 from xshard.config import XShardConfigWarning
-from xshard.data import ShardedDataLoader
+from xshard.runtime.data import ShardedDataLoader
 
 __all__ = ["TrainerAccelerator", "bind_arguments", "build_accelerator"]
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import XShardError
+from ..errors import XShardError
 
 
 class StaleParameterError(XShardError, RuntimeError):

@@ -5,9 +5,10 @@ its state to the user's optimizer and changes only when things happen:
 
 - ``step()`` and ``zero_grad()`` do nothing inside an accumulation window (``job.sync_gradients``
   False);
-- ``step()`` clips to the job's ``gradient_clipping`` if the loop did not clip in this step, then
-  steps through the backend (``Backend.optimizer_step``: never a second gradient reduction; XLA ends
-  the graph there) and, for fp16, through the grad scaler (a step with inf/nan gradients is skipped);
+- ``step()`` at the end of a window hands the step to the precision owner
+  (``Precision.optimizer_step``: unscale -> clip to the job's ``gradient_clipping`` if the loop did not
+  clip in this step -> step through the backend, and for fp16 through the grad scaler, which skips a step
+  with inf/nan gradients);
 - ``step_was_skipped`` is True after an fp16 step skipped for inf/nan gradients.
 
 ``PreparedScheduler`` steps as Accelerate's ``AcceleratedScheduler`` does, so a schedule tuned for an
@@ -26,48 +27,25 @@ Both receive the job's ``JobState`` explicitly; neither knows the Accelerator.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .job import JobState
-
-
-class _BackendStepper:
-    """What the grad scaler sees as "the optimizer": stepping it goes through the backend.
-
-    One object per optimizer for the whole run, because the scaler keys its per-optimizer state
-    (unscaled yet? inf found?) by the object's identity.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, backend: Any) -> None:
-        self.optimizer = optimizer
-        self.backend = backend
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        self.backend.optimizer_step(self.optimizer)
+from ..sharding import ShardedModel
+from .job import JobOptimizer, JobState
+from .mixed_precision import GradientClip
 
 
 class PreparedOptimizer(torch.optim.Optimizer):
     """The user's optimizer, stepped at accumulation boundaries through the backend and scaler."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, job: JobState, model: Any = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, job: JobState, model: ShardedModel | None = None) -> None:
         # Optimizer.__init__ is not called on purpose: all state lives in the wrapped optimizer.
         self.optimizer = optimizer
         self.job = job
         self.model = model
         self.stepped = False
         self.step_was_skipped = False
-        self._stepper = _BackendStepper(optimizer, job.backend)
-        self._unscaled = False
 
     # state forwarding (schedulers and user code read and write these)
     @property
@@ -110,25 +88,23 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if self.job.sync_gradients:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def unscale(self) -> None:
-        """Divide the fp16 gradients by the loss scale (once per step; before clipping)."""
-        if self.job.scaler is not None and not self._unscaled:
-            self.job.precision.unscale(self._stepper)
-            self._unscaled = True
-
     def step(self, closure: Any = None) -> None:  # type: ignore[override]  # a closure is refused, so no loss is returned
-        """Step at the end of an accumulation window; a no-op inside it."""
+        """Step at the end of an accumulation window; a no-op inside it.
+
+        The whole step, as one chain: the window gates here; the precision owner unscales, clips (the
+        config's ``gradient_clipping``, unless the loop clipped in this step) and steps through the backend
+        and the fp16 scaler; the job counts the step.
+        """
         if closure is not None:
             raise ValueError("a prepared optimizer does not take a closure: compute the loss before step()")
         self.stepped = False
         job = self.job
         if not job.sync_gradients:
             return
+        clip = None
         if job.gradient_clipping > 0 and not job.clipped and self.model is not None:
-            job.clip_grad_norm_(self.model.parameters(), job.gradient_clipping)
-        # the precision steps through the backend, and for fp16 through the scaler (skipped on inf/nan)
-        self.stepped = job.precision.step(self._stepper)
-        self._unscaled = False
+            clip = GradientClip([self.model], job.user_optimizers(), job.gradient_clipping)
+        self.stepped = job.precision.optimizer_step(self.optimizer, clip=clip)
         self.step_was_skipped = not self.stepped
         job.finish_optimizer_step()
 
@@ -139,7 +115,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
 class PreparedScheduler:
     """An LR scheduler stepped by Accelerate's rule (see the module docstring)."""
 
-    def __init__(self, scheduler: Any, optimizers: list[PreparedOptimizer], job: JobState) -> None:
+    def __init__(self, scheduler: Any, optimizers: list[JobOptimizer], job: JobState) -> None:
         self.scheduler = scheduler
         #: the prepared optimizers this schedule follows (its own, else every prepared one)
         self.optimizers = optimizers
@@ -176,5 +152,6 @@ class PreparedScheduler:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state_dict)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["scheduler"], name)
+    if not TYPE_CHECKING:  # the scheduler's other members at run time; the type checker sees only the above
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.__dict__["scheduler"], name)

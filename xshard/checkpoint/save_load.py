@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from .._version import __version__
-from ..log import get_logger
+from ..runtime.rank_logging import get_logger
 from . import async_save as background
 from . import foreign, formats, output_lock
 from .files import (
@@ -73,7 +73,7 @@ from .files import (
 from .progress import slow_progress
 
 if TYPE_CHECKING:
-    from ..job import JobState
+    from ..runtime.job import JobState
 
 __all__ = ["CheckpointError", "CheckpointMismatchError", "latest_checkpoint", "load_state", "resume", "save_state"]
 

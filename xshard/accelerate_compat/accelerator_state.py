@@ -26,7 +26,7 @@ __all__ = ["AcceleratorState", "DeepSpeedPluginView", "DistributedType", "FSDPPl
            "share_with_accelerate", "unshare_with_accelerate"]
 
 if TYPE_CHECKING:
-    from ..job import JobState
+    from ..runtime.job import JobState
 
 
 class DistributedType(str, Enum):

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 
 # the one norm clipping, shared with the sharded model (public here as ``grads.clip_norm_``)
-from .sharding.grad_clip import clip_norm_
+from ..sharding.grad_clip import clip_norm_
 
 __all__ = ["clip_norm_", "clip_value_", "held_gradients"]
 

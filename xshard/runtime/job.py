@@ -17,13 +17,44 @@ that are the same on every rank, so every rank synchronises at the same micro-st
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
-from .backends import Backend
+from ..backends import Backend
+from ..config import XShardConfig
+from ..sharding import ShardedModel
+from .data import ShardedDataLoader
+from .mixed_precision import Precision
+
+
+class Stateful(Protocol):
+    """What a checkpoint saves and restores of an object: a scheduler, a registered custom object."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class JobOptimizer(Stateful, Protocol):
+    """A prepared optimizer as the job holds it (``xshard.runtime.prepared.PreparedOptimizer``, which
+    imports this module: the Protocol keeps the two apart)."""
+
+    optimizer: torch.optim.Optimizer
+    #: the prepared model whose gradients it steps (clipped with the config's ``gradient_clipping``), or None
+    model: ShardedModel | None
+    step_was_skipped: bool
+
+
+class BackgroundWrite(Protocol):
+    """The job's async checkpoint writer (``xshard.checkpoint.async_save.AsyncSaver``) as the job holds it."""
+
+    @property
+    def pending(self) -> bool: ...
+
+    def finish(self) -> tuple[Path | None, BaseException | None]: ...
 
 
 @dataclass
@@ -37,7 +68,7 @@ class JobState:
         gradient_accumulation_steps: micro-steps per optimizer step.
         gradient_clipping: max global gradient norm applied at each step when the loop did not
             clip itself (0: none).
-        precision: the job's ``xshard.precision.Precision`` (autocast, backward, unscaling, the step);
+        precision: the job's ``xshard.runtime.mixed_precision.Precision`` (autocast, backward, unscaling, the step);
             ``scaler`` is its fp16 grad scaler, or None.
         models, optimizers, schedulers, loaders: what ``prepare`` returned, in preparation order.
         step: real optimizer steps taken (saved in checkpoints).
@@ -52,21 +83,21 @@ class JobState:
     """
 
     backend: Backend
-    config: Any
+    config: XShardConfig
     device: torch.device
+    precision: Precision
     gradient_accumulation_steps: int = 1
     gradient_clipping: float = 0.0
-    precision: Any = None
-    models: list[Any] = field(default_factory=list)
-    optimizers: list[Any] = field(default_factory=list)
-    schedulers: list[Any] = field(default_factory=list)
-    loaders: list[Any] = field(default_factory=list)
+    models: list[ShardedModel] = field(default_factory=list)
+    optimizers: list[JobOptimizer] = field(default_factory=list)
+    schedulers: list[Stateful] = field(default_factory=list)
+    loaders: list[ShardedDataLoader] = field(default_factory=list)
     step: int = 0
     micro_step: int = 0
     sync_gradients: bool = True
     clipped: bool = False
     #: the background writer of async saves (``xshard.checkpoint.async_save``; keeps its host buffers), or None
-    async_saver: Any = None
+    async_saver: BackgroundWrite | None = None
     #: a restarted job resumed (or found nothing to resume) already (``xshard.checkpoint.auto_resume``)
     resumed_after_restart: bool = False
     adjust_scheduler: bool = True
@@ -74,12 +105,12 @@ class JobState:
     sync_each_batch: bool = False
     split_batches: bool = False
     step_scheduler_with_optimizer: bool = True
-    custom_objects: list[Any] = field(default_factory=list)
+    custom_objects: list[Stateful] = field(default_factory=list)
 
     @property
-    def scaler(self) -> Any:
+    def scaler(self) -> torch.amp.GradScaler | None:
         """The fp16 grad scaler of the job's precision, or None (what checkpoints save and restore)."""
-        return None if self.precision is None else self.precision.scaler
+        return self.precision.scaler
 
     # ------------------------------------------------------------------ the world (the job's facts)
     @property
@@ -135,7 +166,7 @@ class JobState:
         """Is a prepared data loader handing out the last batch of its epoch (when that closes windows)?"""
         return self.sync_with_dataloader and any(loader.end_of_epoch for loader in self.loaders)
 
-    def active_loader(self) -> Any:
+    def active_loader(self) -> ShardedDataLoader | None:
         """The prepared data loader being iterated (the most recently started one), or None."""
         running = [loader for loader in self.loaders if loader.in_iteration]
         return max(running, key=lambda loader: loader.iteration_order) if running else None
@@ -145,28 +176,9 @@ class JobState:
         self.clipped = False
         self.step += 1
 
-    def unscale_gradients(self) -> None:
-        """Divide fp16 gradients by the loss scale, once per optimizer per step (before clipping)."""
-        if self.scaler is not None:
-            for optimizer in self.optimizers:
-                optimizer.unscale()
-
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
-                        norm_type: float = 2.0) -> torch.Tensor:
-        """Clip to a global norm over every rank's gradient shards; every rank returns the same norm.
-
-        Prepared models compute one norm over all their gradients (the core knows which are shards);
-        parameters of no prepared model are clipped as plain PyTorch does.
-        """
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        ids = {id(p) for p in params}
-        self.unscale_gradients()
-        norms = [m.clip_grad_norm_(max_norm, norm_type) for m in self.models
-                 if any(id(p) in ids for p in m.parameters())]
-        self.clipped = True
-        if norms:
-            return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), norm_type)
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+    def user_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The user's optimizers under the prepared ones (what the precision owner unscales and steps)."""
+        return [prepared.optimizer for prepared in self.optimizers]
 
     def stage(self) -> int:
         """The ZeRO stage the config asks for."""

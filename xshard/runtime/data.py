@@ -29,16 +29,16 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sized
-from typing import Any, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
+from ..sharding.trees import map_leaves
 from .iterator_seed import IteratorSeed
-from .log import get_logger
-from .sharding.trees import map_leaves
+from .rank_logging import get_logger
 
-log = get_logger("xshard.data")
+log = get_logger("xshard.runtime.data")
 
 
 class DrawnOrder:
@@ -197,7 +197,7 @@ def _rebuild(loader: DataLoader, sampler: Sampler[int], batch_size: int | None =
     multiple of ``pad_to_multiple_of`` when one is given: ``xshard.static_shapes``)."""
     collate_fn = loader.collate_fn
     if pad_to_multiple_of:
-        from .static_shapes import PadToMultiple
+        from ..static_shapes import PadToMultiple
 
         if not isinstance(collate_fn, PadToMultiple):  # the user's own hook (tensors named) is kept
             collate_fn = PadToMultiple(collate_fn, pad_to_multiple_of)
@@ -305,7 +305,7 @@ class ShardedDataLoader:
         end = min(start + size, self.sampler.num_samples)
         return [self.sampler.real_count(r, start, end) for r in range(self.sampler.num_replicas)], end - start
 
-    def skip_first_batches(self, num_batches: int) -> Iterator[Any]:
+    def skip_first_batches(self, num_batches: int) -> _SkipFirst:
         """Iterate the current epoch from batch ``num_batches`` (counted from the epoch's start).
 
         The position is absolute, so skipping to where ``load_state`` already resumed skips nothing
@@ -365,8 +365,9 @@ class _SkipFirst:
         self.loader.batches_consumed = max(self.loader.batches_consumed, self.num_batches)
         return iter(self.loader)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["loader"], name)
+    if not TYPE_CHECKING:  # the loader's other members at run time; the type checker sees only the above
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.__dict__["loader"], name)
 
 
 def skip_first_batches(loader: Any, num_batches: int) -> Any:

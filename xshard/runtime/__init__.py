@@ -1,0 +1,20 @@
+"""The job machinery: what runs between the user API (``xshard.Accelerator``, the Trainer) and the sharded core.
+
+One module per job, none of them imported by the core (``xshard.sharding``) or the device layer:
+
+- ``job``: ``JobState``, where the job runs (asked of the backend's world), what it prepared, its step counters
+  and the accumulation window;
+- ``mixed_precision``: ``Precision``, the one owner of autocast, backward, unscaling, clipping and the optimizer
+  step (the straight chain of one step);
+- ``prepared``: the optimizer and LR scheduler ``prepare`` hands back (the optimizer gates on the accumulation
+  window and asks the precision owner to step);
+- ``data``: loaders sharded per rank, device placement, mid-epoch resume; ``iterator_seed``: the RNG draw each
+  pass over a loader starts with, replayed on resume;
+- ``grads``: clipping inside an accumulation window, as Accelerate does it;
+- ``rebind``: optimizers built before ``prepare`` follow the Parameters the core replaced;
+- ``rank_logging``: per-rank log levels and the main process's progress bars;
+- ``launch_marker``: how ``xshard launch`` learns that its job built an xshard Accelerator.
+
+Accelerate's import paths (``xshard.state``, ``xshard.utils`` ...) are in ``xshard.accelerate_compat``; the
+checkpoint code in ``xshard.checkpoint``; the config in ``xshard.config``.
+"""
