@@ -23,6 +23,8 @@ import sys
 import types
 from pathlib import Path
 
+from xshard.accelerate_compat import IMPORT_PATHS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -143,15 +145,15 @@ def test_the_core_knows_nothing_of_the_user_api() -> None:
 
 #: the user API: what a script imports to train
 USER_API = {"xshard", "xshard.accelerator", "xshard.trainer"}
-#: Accelerate's import paths, each a thin module re-exporting one of xshard.accelerate_compat's
-ACCELERATE_PATHS = {"xshard.state", "xshard.utils", "xshard.tracking", "xshard.metrics"}
+#: Accelerate's import paths, each a thin module re-exporting one module (the one list: accelerate_compat's)
+ACCELERATE_PATHS = set(IMPORT_PATHS)
 #: what the Accelerator is made of (docs/architecture.md, "Which module is which")
 JOB_MACHINERY = {"xshard.runtime", "xshard.static_shapes", "xshard.checkpoint", "xshard.config", "xshard.sharding"}
 
 
 def test_the_job_machinery_imports_neither_the_user_api_nor_the_accelerate_surface() -> None:
     reached = {package_of(t) for m, ts in import_graph().items() if package_of(m) in JOB_MACHINERY for t in ts}
-    above = USER_API | ACCELERATE_PATHS | {"xshard.accelerate_compat", "xshard.logging", "xshard.cli",
+    above = USER_API | ACCELERATE_PATHS | {"xshard.accelerate_compat", "xshard.cli",
                                            "xshard.pretrained", "xshard.estimate"}
     assert reached & above == set()
 
