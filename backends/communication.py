@@ -56,9 +56,12 @@ class CommunicationAPI:
     #: the process group's timeout, once started (the collectives' hang diagnosis reads it)
     _timeout: datetime.timedelta | None = None
 
-    if TYPE_CHECKING:
+    if TYPE_CHECKING:  # the device role's members this role calls (``DeviceAPI``; Backend mixes both in)
         def set_device(self) -> None:
             """The device role's (``DeviceAPI.set_device``)."""
+
+        def device(self, local_rank: int | None = None) -> torch.device:
+            """The device role's (``DeviceAPI.device``)."""
 
     # ------------------------------------------------------------------ the world
     def check_world(self) -> None:
@@ -184,7 +187,7 @@ class CommunicationAPI:
                 "call backend.init_process_group() (Accelerator does this) first"
             )
         timeout = self._timeout.total_seconds() if self._timeout is not None else None
-        return DistCollectives(native_avg=self.native_avg, device=self.device(), timeout=timeout,  # type: ignore[attr-defined]
+        return DistCollectives(native_avg=self.native_avg, device=self.device(), timeout=timeout,
                                **self.collective_options())
 
     def collective_options(self) -> dict[str, Any]:
@@ -233,7 +236,7 @@ class CommunicationAPI:
             group = dist.new_group(list(ranks), **kwargs)
             if ranks == mine:
                 handle = group
-        return DistCollectives(native_avg=self.native_avg, group=handle, device=self.device(),  # type: ignore[attr-defined]
+        return DistCollectives(native_avg=self.native_avg, group=handle, device=self.device(),
                                **self.collective_options())
 
 

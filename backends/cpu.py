@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -28,6 +29,25 @@ class CPUBackend(Backend):
 
     def device_count(self) -> int:
         return 1
+
+    def device_name(self) -> str:
+        """The processor as the platform names it (the CPU's peak FLOPS is measured, not looked up)."""
+        import platform
+
+        return platform.processor() or platform.machine() or "cpu"
+
+    def measured_peak_tflops(self, dtype: torch.dtype | None, size: int = 512, seconds: float = 0.2) -> float | None:
+        """TFLOPS of square ``size`` matmuls in ``dtype`` over ``seconds``, with torch's threads: what this CPU
+        really does (no vendor figure fits a shared or throttled host)."""
+        dtype = dtype or torch.float32
+        a = torch.randn(size, size).to(dtype)
+        b = torch.randn(size, size).to(dtype)
+        a @ b  # warm-up
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ b
+            count += 1
+        return 2.0 * size ** 3 * count / (time.perf_counter() - start) / 1e12
 
     def device(self, local_rank: int | None = None) -> torch.device:
         return torch.device("cpu")

@@ -82,6 +82,16 @@ class DeviceAPI:
         """Number of devices visible to this process."""
         return int(self.device_module().device_count())
 
+    def device_name(self) -> str:
+        """The device's model name as its runtime reports it ("NVIDIA H100 80GB HBM3", "Ascend910B2"): what the
+        throughput report looks its peak FLOPS up by (``xshard.runtime.throughput``)."""
+        return str(self.device_module().get_device_name(self.device()))
+
+    def measured_peak_tflops(self, dtype: torch.dtype | None) -> float | None:
+        """This device's peak TFLOPS in ``dtype`` as measured here, where no published figure serves (a CPU);
+        None: the throughput report looks the figure up by ``device_name()``."""
+        return None
+
     def host_device_count(self) -> int | None:
         """How many processes "one per device" means on this host, asked by `xshard launch` before
         any rank starts. It must not start the vendor runtime in the launcher's process (XLA: torch_xla

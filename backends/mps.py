@@ -73,6 +73,10 @@ class MPSBackend(Backend):
     def device_count(self) -> int:
         return 1 if self.is_available() else 0
 
+    def device_name(self) -> str:
+        """"mps": torch names no Apple GPU model (the throughput report has no peak figure for it)."""
+        return "mps"
+
     def device(self, local_rank: int | None = None) -> torch.device:
         return torch.device("mps")
 

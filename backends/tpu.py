@@ -133,6 +133,11 @@ class TPUBackend(Backend):
     def device_count(self) -> int:
         return int(torch.accelerator.device_count())
 
+    def device_name(self) -> str:
+        from .xla import tpu_accelerator_type
+
+        return tpu_accelerator_type()
+
     def device(self, local_rank: int | None = None) -> torch.device:
         """This process's chip: the index TorchTPU bound it to once known (``set_device``), else
         ``torch.device("tpu")``, which means the same chip. ``local_rank`` is not an index here."""

@@ -44,6 +44,12 @@ _TPU_PCI_DEVICES = frozenset({"0x0027", "0x005e", "0x0062", "0x0063", "0x006f", 
 _PCI_DEVICES = Path("/sys/bus/pci/devices")
 
 
+def tpu_accelerator_type() -> str:
+    """The TPU VM's accelerator type as Cloud TPU sets it in ``TPU_ACCELERATOR_TYPE`` ("v4-8", "v5litepod-16",
+    "v5p-8", "v6e-8"): the chip generation the throughput report looks its peak FLOPS up by; "tpu" when unset."""
+    return os.environ.get("TPU_ACCELERATOR_TYPE", "") or "tpu"
+
+
 def tpu_chip_count(pci_devices: Path = _PCI_DEVICES) -> int:
     """How many Google TPU chips are on this machine's PCI bus (no torch_xla import, no runtime start)."""
     try:
@@ -196,6 +202,9 @@ class XLABackend(Backend):
     # ------------------------------------------------------------------ devices
     def device_count(self) -> int:
         return int(_runtime().addressable_device_count())
+
+    def device_name(self) -> str:
+        return tpu_accelerator_type()
 
     def host_device_count(self) -> int | None:
         """From the environment and the PCI bus (see ``host_device_count``): never the runtime."""

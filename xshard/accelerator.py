@@ -69,6 +69,7 @@ from .runtime.mixed_precision import Precision
 from .runtime.prepared import PreparedOptimizer, PreparedScheduler
 from .runtime.rank_logging import get_logger, progress, setup_logging, use_barrier
 from .runtime.rebind import StaleParameterGuard, rebind_optimizer
+from .runtime.throughput import ModelFlops, PeakFlops, counting_hook, peak_flops
 from .sharding import ShardedModel, shard_model
 
 if TYPE_CHECKING:
@@ -179,6 +180,8 @@ class Accelerator(AccelerateSurface):
         self._token: str = uuid.uuid4().hex  # names this Accelerator when pickled (``__reduce__``)
         _LIVE[self._token] = self
         self._stale_guard: StaleParameterGuard = StaleParameterGuard()
+        #: the device's peak FLOPS for the throughput report (found at the first report: a CPU measures it)
+        self._peak_flops: PeakFlops | None = None
         # Accelerate's arguments read by later calls (``xshard.config.accelerate_args``)
         self._data_seed: int | None = compat.data_seed
         self._non_blocking: bool | None = compat.non_blocking
@@ -387,6 +390,9 @@ class Accelerator(AccelerateSurface):
         sharded = model if isinstance(model, ShardedModel) else shard_model(
             model, self.backend, self.sharding_options(model))
         self.job.models.append(sharded)
+        flops = ModelFlops.of(sharded.module, sharded.full_numel)
+        self.job.throughput.models.append(flops)
+        sharded.register_forward_pre_hook(counting_hook(self.job.throughput, flops), with_kwargs=True)
         replaced = sharded.rebound_parameters
         if replaced:
             self._stale_guard.watch(list(replaced.old.values()))
@@ -509,6 +515,22 @@ class Accelerator(AccelerateSurface):
                              "loss-scaled gradients: clip under `if accelerator.sync_gradients:`")
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         return grads.held_gradients(self.job.models, params)
+
+    def throughput(self) -> dict[str, Any]:
+        """This rank's training throughput since the last call (or the first optimizer step; the first step
+        is warm-up and left out): ``tokens_per_second_per_device`` (non-padding tokens where the batch has an
+        ``attention_mask``), ``samples_per_second`` (this rank's times the world size), ``tflops_per_device``
+        and ``mfu`` against the device's peak (``peak_tflops``, ``peak_source``; ``XSHARD_PEAK_TFLOPS``
+        overrides it), with the counts, the seconds and the FLOPs formula used (``xshard.runtime.throughput``).
+        Reads the counted mask sums from the device: call it where the loop already synchronises (logging)."""
+        return self.job.throughput.report(self.world_size, self._peak())
+
+    def _peak(self) -> PeakFlops:
+        if self._peak_flops is None:
+            dtype = self.compute_dtype
+            self._peak_flops = peak_flops(self.backend.device_name(), dtype,
+                                          measure=lambda: self.backend.measured_peak_tflops(dtype))
+        return self._peak_flops
 
     # ------------------------------------------------------------------ collectives and processes
     def gather(self, data: Any) -> Any:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..runtime.throughput import throughput_values
 from ..sharding import ShardedModel
 from . import metrics, saving, tracking
 from .accelerator_state import DistributedType
@@ -240,7 +241,11 @@ class AccelerateSurface(AcceleratorCore):
 
     def log(self, values: dict[str, Any], step: int | None = None,
             log_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
-        """Log ``values`` at ``step`` to every tracker (main process; elsewhere nothing happens)."""
+        """Log ``values`` at ``step`` to every tracker (main process; elsewhere nothing happens), with the
+        training throughput since the last log (``throughput/tokens_per_second_per_device``,
+        ``throughput/tflops_per_device``, ``throughput/mfu``: ``Accelerator.throughput``) once a step is timed."""
+        if self.trackers:
+            values = {**throughput_values(self.throughput(), "throughput/"), **values}
         for tracker in self.trackers:
             tracker.log(values, step=step, **(log_kwargs or {}).get(getattr(tracker, "name", ""), {}))
 

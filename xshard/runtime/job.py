@@ -28,6 +28,7 @@ from ..config import XShardConfig
 from ..sharding import ShardedModel
 from .data import ShardedDataLoader
 from .mixed_precision import Precision
+from .throughput import ThroughputMeter
 
 
 class Stateful(Protocol):
@@ -106,6 +107,8 @@ class JobState:
     split_batches: bool = False
     step_scheduler_with_optimizer: bool = True
     custom_objects: list[Stateful] = field(default_factory=list)
+    #: tokens, samples and time per optimizer step (``xshard.runtime.throughput``)
+    throughput: ThroughputMeter = field(default_factory=ThroughputMeter)
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -175,6 +178,7 @@ class JobState:
         """A prepared optimizer really stepped: count it and open a new step."""
         self.clipped = False
         self.step += 1
+        self.throughput.step_finished()
 
     def user_optimizers(self) -> list[torch.optim.Optimizer]:
         """The user's optimizers under the prepared ones (what the precision owner unscales and steps)."""

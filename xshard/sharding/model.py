@@ -235,6 +235,14 @@ class ShardedModel(nn.Module):
         super().zero_grad(set_to_none=set_to_none)
         self._engine.zero_grad()
 
+    def full_numel(self, param: torch.Tensor) -> int:
+        """Elements of ``param``'s whole tensor (a shard's whole parameter; any other tensor's own count)."""
+        for unit in self.units:
+            for sp in unit.params:
+                if sp.user is param:
+                    return int(sp.layout.numel)
+        return int(param.numel())
+
     def local_gradients(self, params: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The gradients this rank holds now for ``params`` (default: all), before any reduce.
 

@@ -37,6 +37,7 @@ import transformers
 from transformers.trainer import TRAINING_ARGS_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..runtime.throughput import throughput_values
 from . import checkpoints
 from .runtime import bind_arguments, build_accelerator
 
@@ -104,6 +105,17 @@ class TrainerMixin(_TrainerHost):
         bind_arguments(self.args, self.accelerator)
         self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
                                                  use_gather_object=self.args.eval_use_gather_object)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log line; a training line (one with ``loss``) also carries this rank's throughput since
+        the last one: ``train_tokens_per_second_per_device``, ``train_tflops_per_device`` and ``mfu``
+        (``Accelerator.throughput``; none before a step is timed)."""
+        if "loss" in logs:
+            rates = throughput_values(self.accelerator.throughput(), "train_")
+            if "train_mfu" in rates:
+                rates["mfu"] = rates.pop("train_mfu")
+            logs = {**logs, **rates}
+        super().log(logs, *args, **kwargs)
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
         """Nothing: ``prepare`` places each rank's shard on its device (the whole model never is)."""

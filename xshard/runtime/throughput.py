@@ -1,0 +1,270 @@
+"""Throughput in every run: tokens and samples per second, TFLOPs per device and MFU.
+
+What is counted, and how it costs no synchronisation the step did not already have:
+
+- tokens and samples: a forward pre-hook on each prepared model reads the training batch it is called with
+  (``input_ids``, else the first tensor argument): samples are its first dimension, tokens its element
+  count, and the non-padding tokens the sum of its ``attention_mask`` where there is one. The mask's sum
+  stays a device tensor, added up on the device, and is read only when a report is asked for (a loop
+  that logs has already synchronised for its loss). Forwards without gradients (evaluation,
+  generation) are not counted.
+- time: the wall clock between optimizer steps (``JobState.finish_optimizer_step``). The first step of a
+  run is left out of the rate (compilation, warm-up, allocator growth).
+- model FLOPs per token: for a model with a transformers-style config (``num_hidden_layers``,
+  ``hidden_size``) the decoder formula of the PaLM paper (appendix B), as torchtitan counts it:
+  ``6 * N + 12 * L * d * s`` for N parameters without the input embedding, L layers, width d and
+  sequence length s (forward and backward; no activation recomputation: this is MFU, not HFU); for
+  any other model ``6 * N`` (attention-free). ``flops_formula`` in the report says which.
+- peak: the device's dense bf16/fp16 (or fp32) figure from ``PEAK_TFLOPS``, looked up by the name the
+  backend reports (``Backend.device_name``), each figure with its source; ``XSHARD_PEAK_TFLOPS``
+  overrides it; on a CPU it is measured once by a matmul probe in the compute dtype
+  (``Backend.measured_peak_tflops``). A device with no
+  figure reports no MFU (None) and says why.
+
+Each rank measures its own numbers; ``Accelerator.throughput()`` returns this rank's (rank 0's is what
+the main process logs).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import XShardError
+
+#: device family -> {dtype name -> (dense TFLOPS, source)}. Dense figures (NVIDIA's sheets print bf16 with 2:4
+#: sparsity, twice these). fp32 is the non-tensor-core figure: torch does not use TF32 for fp32 matmuls by default.
+PEAK_TFLOPS: dict[str, dict[str, tuple[float, str]]] = {
+    "A100": {"bf16": (312.0, "NVIDIA A100 datasheet"), "fp16": (312.0, "NVIDIA A100 datasheet"),
+             "fp32": (19.5, "NVIDIA A100 datasheet")},
+    "H100 PCIe": {"bf16": (756.5, "NVIDIA H100 datasheet (PCIe, 1513 with sparsity)"),
+                  "fp16": (756.5, "NVIDIA H100 datasheet (PCIe, 1513 with sparsity)"),
+                  "fp32": (51.0, "NVIDIA H100 datasheet (PCIe)")},
+    "H100": {"bf16": (989.4, "NVIDIA H100 datasheet (SXM, 1979 with sparsity)"),
+             "fp16": (989.4, "NVIDIA H100 datasheet (SXM, 1979 with sparsity)"),
+             "fp32": (67.0, "NVIDIA H100 datasheet (SXM)")},
+    "H200": {"bf16": (989.4, "NVIDIA H200 datasheet (SXM, 1979 with sparsity)"),
+             "fp16": (989.4, "NVIDIA H200 datasheet (SXM, 1979 with sparsity)"),
+             "fp32": (67.0, "NVIDIA H200 datasheet (SXM)")},
+    "B200": {"bf16": (2250.0, "NVIDIA HGX B200 specifications (per GPU, dense)"),
+             "fp16": (2250.0, "NVIDIA HGX B200 specifications (per GPU, dense)")},
+    "MI300X": {"bf16": (1307.4, "AMD Instinct MI300X datasheet (dense)"),
+               "fp16": (1307.4, "AMD Instinct MI300X datasheet (dense)"),
+               "fp32": (163.4, "AMD Instinct MI300X datasheet")},
+    # Huawei publishes no per-variant sheet for the 910B; the 910C is two such dies (CloudMatrix384 paper,
+    # arXiv 2506.12708: 752 TFLOPS dense BF16/FP16 per 910C). 910B variants' clocks differ: set
+    # XSHARD_PEAK_TFLOPS from a measured matmul for an exact MFU.
+    "Ascend910C": {"bf16": (752.0, "CloudMatrix384 paper (arXiv 2506.12708): two dies"),
+                   "fp16": (752.0, "CloudMatrix384 paper (arXiv 2506.12708): two dies")},
+    "Ascend910B": {"bf16": (376.0, "one 910C die (CloudMatrix384 paper); variants differ"),
+                   "fp16": (376.0, "one 910C die (CloudMatrix384 paper); variants differ")},
+    "TPU v4": {"bf16": (275.0, "Google Cloud TPU v4 documentation")},
+    "TPU v5e": {"bf16": (197.0, "Google Cloud TPU v5e documentation")},
+    "TPU v5p": {"bf16": (459.0, "Google Cloud TPU v5p documentation")},
+    "TPU v6e": {"bf16": (918.0, "Google Cloud TPU v6e (Trillium) documentation")},
+    "TPU v7": {"bf16": (2307.0, "half of Google's published 4614 FP8 TFLOPS per Ironwood chip")},
+}
+
+#: how a backend's device name maps to a family of PEAK_TFLOPS (first match, lowercase substrings)
+_FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("h100", "pcie"), "H100 PCIe"), (("h100",), "H100"), (("h200",), "H200"), (("b200",), "B200"),
+    (("a100",), "A100"), (("mi300x",), "MI300X"),
+    (("910c",), "Ascend910C"), (("910_93",), "Ascend910C"), (("910b",), "Ascend910B"),
+    (("v5litepod",), "TPU v5e"), (("v5e",), "TPU v5e"), (("v5p",), "TPU v5p"), (("v6e",), "TPU v6e"),
+    (("v4",), "TPU v4"), (("tpu7",), "TPU v7"), (("v7",), "TPU v7"),
+)
+
+#: the environment variable that sets the peak TFLOPS per device, whatever the device
+PEAK_ENV = "XSHARD_PEAK_TFLOPS"
+
+
+@dataclass(frozen=True)
+class PeakFlops:
+    """The peak a device is measured against: TFLOPS (None when unknown) and where the figure comes from."""
+
+    tflops: float | None
+    source: str
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """"bf16", "fp16" or "fp32" (the compute dtype; None is fp32)."""
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32") if dtype is not None else "fp32"
+
+
+def family_of(device_name: str) -> str | None:
+    """The PEAK_TFLOPS family a device name belongs to, or None."""
+    name = device_name.lower()
+    for words, family in _FAMILIES:
+        if all(w in name for w in words):
+            return family
+    return None
+
+
+def peak_flops(device_name: str, dtype: torch.dtype | None, *, measure: Callable[[], float | None] | None = None,
+               env: dict[str, str] | None = None) -> PeakFlops:
+    """The peak of one device in ``dtype``: ``XSHARD_PEAK_TFLOPS``, else the table, else ``measure()``
+    (``Backend.measured_peak_tflops``: a CPU's probe; None where the backend measures nothing), else
+    unknown with the reason."""
+    environ = os.environ if env is None else env
+    override = environ.get(PEAK_ENV, "").strip()
+    if override:
+        try:
+            value = float(override)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise XShardError(f"{PEAK_ENV}={override!r} is not a positive number of TFLOPS per device: "
+                              f"e.g. {PEAK_ENV}=312 for an A100 in bf16")
+        return PeakFlops(value, f"{PEAK_ENV}")
+    family = family_of(device_name)
+    wanted = dtype_name(dtype)
+    if family is not None and wanted in PEAK_TFLOPS[family]:
+        tflops, source = PEAK_TFLOPS[family][wanted]
+        return PeakFlops(tflops, f"{family} {wanted}: {source}")
+    measured = measure() if measure is not None else None
+    if measured is not None:
+        return PeakFlops(measured, f"measured: a {wanted} matmul on this device")
+    return PeakFlops(None, f"no {wanted} peak known for {device_name!r}: set {PEAK_ENV}")
+
+
+def _config_value(config: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """FLOPs of one trained token of a model, by the formula ``formula`` names."""
+
+    params: int
+    embedding_params: int
+    layers: int | None
+    width: int | None
+
+    @property
+    def formula(self) -> str:
+        return "6N + 12*L*d*s (PaLM, decoder)" if self.layers and self.width else "6N (no attention term)"
+
+    def per_token(self, seq_len: int) -> float:
+        n = self.params - self.embedding_params
+        attention = 12 * self.layers * self.width * seq_len if self.layers and self.width else 0
+        return 6.0 * n + attention
+
+    @classmethod
+    def of(cls, module: torch.nn.Module, full_numel: Callable[[torch.Tensor], int]) -> ModelFlops:
+        """Count ``module``'s parameters (whole sizes: ``full_numel`` of a shard) and read its config."""
+        seen: set[int] = set()
+        params = 0
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                params += full_numel(p)
+        embedding = 0
+        get_embeddings = getattr(module, "get_input_embeddings", None)
+        embeddings = get_embeddings() if callable(get_embeddings) else None
+        if isinstance(embeddings, torch.nn.Embedding):
+            embedding = full_numel(embeddings.weight)
+        config = getattr(module, "config", None)
+        layers = _config_value(config, "num_hidden_layers", "n_layer", "num_layers")
+        width = _config_value(config, "hidden_size", "n_embd", "d_model")
+        return cls(params, embedding, layers, width)
+
+
+class ThroughputMeter:
+    """Counts one rank's trained tokens and samples per optimizer step (see the module docstring)."""
+
+    def __init__(self) -> None:
+        #: the FLOPs counts of the prepared models, in preparation order
+        self.models: list[ModelFlops] = []
+        self._since: float | None = None  # the end of the window's first step
+        self._clear()
+
+    def _clear(self) -> None:
+        self._steps = 0
+        self._tokens = 0
+        self._samples = 0
+        self._unmasked_tokens = 0  # tokens of the batches without a mask (counted by shape)
+        self._flops = 0.0  # their model FLOPs
+        self._real_tokens: torch.Tensor | None = None  # the masks' sums, on the device
+        self._real_flops: torch.Tensor | None = None  # model FLOPs of the masked batches, on the device
+
+    def count_batch(self, model: ModelFlops, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Count the batch a training forward of ``model`` is called with (a forward pre-hook's arguments)."""
+        if self._since is None:
+            return  # before the first step ends: warm-up, not in the rate
+        ids = kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor):
+            ids = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if ids is None or ids.dim() == 0:
+            return
+        self._samples += int(ids.shape[0])
+        self._tokens += int(ids.numel())
+        per_token = model.per_token(int(ids.shape[-1]) if ids.dim() > 1 else 1)
+        mask = kwargs.get("attention_mask")
+        if not (isinstance(mask, torch.Tensor) and mask.shape == ids.shape):
+            self._unmasked_tokens += int(ids.numel())
+            self._flops += per_token * ids.numel()
+            return
+        real = mask.sum()  # stays on the device until a report reads it
+        flops = real.to(torch.float64) * per_token
+        self._real_tokens = real if self._real_tokens is None else self._real_tokens + real
+        self._real_flops = flops if self._real_flops is None else self._real_flops + flops
+
+    def step_finished(self) -> None:
+        """An optimizer step ended (the first one opens the window)."""
+        if self._since is None:
+            self._since = time.perf_counter()
+        else:
+            self._steps += 1
+
+    def report(self, world_size: int, peak: PeakFlops) -> dict[str, Any]:
+        """This rank's rates since the last report (or the first step), then a new window.
+
+        Reads the counted attention-mask sums: one device-to-host copy, here only."""
+        now = time.perf_counter()
+        elapsed = now - self._since if self._since is not None else 0.0
+        real_tokens = int(self._real_tokens.item()) if self._real_tokens is not None else None
+        flops = self._flops + (float(self._real_flops.item()) if self._real_flops is not None else 0.0)
+        counted = self._unmasked_tokens + (real_tokens or 0)
+        out: dict[str, Any] = {"steps": self._steps, "seconds": elapsed, "tokens": self._tokens,
+                               "non_padding_tokens": counted, "samples": self._samples,
+                               "flops_formula": self.models[0].formula if self.models else None,
+                               "peak_tflops": peak.tflops, "peak_source": peak.source,
+                               "tokens_per_second_per_device": None, "samples_per_second": None,
+                               "tflops_per_device": None, "mfu": None}
+        if elapsed > 0 and self._steps > 0:
+            out["tokens_per_second_per_device"] = counted / elapsed
+            out["samples_per_second"] = self._samples * world_size / elapsed
+            out["tflops_per_device"] = flops / elapsed / 1e12
+            out["mfu"] = out["tflops_per_device"] / peak.tflops if peak.tflops else None
+        self._clear()
+        if self._since is not None:
+            self._since = now
+        return out
+
+
+def counting_hook(meter: ThroughputMeter, model: ModelFlops) -> Callable[..., None]:
+    """A forward pre-hook (``with_kwargs=True``) that counts the training batches of ``model``."""
+
+    def count(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if module.training and torch.is_grad_enabled():
+            meter.count_batch(model, args, kwargs)
+
+    return count
+
+
+#: the rates a log line carries (the report's other entries are counts and provenance)
+LOGGED_RATES = ("tokens_per_second_per_device", "tflops_per_device", "mfu")
+
+
+def throughput_values(report: dict[str, Any], prefix: str) -> dict[str, float]:
+    """The report's measured rates as a log line's values, named ``prefix + rate`` (none before a step is timed)."""
+    return {prefix + name: float(report[name]) for name in LOGGED_RATES if report.get(name) is not None}
