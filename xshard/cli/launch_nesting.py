@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -74,7 +75,8 @@ def refuse_launcher_program(script: str, module: bool, env: Mapping[str, str]) -
 def _launcher_command(script: str, env: Mapping[str, str]) -> str | None:
     path = Path(script)
     if not path.is_file() and os.sep not in script:
-        found = shutil.which(script, path=env.get("PATH"))
+        # on PATH, or beside this Python (an environment's console scripts, not activated)
+        found = shutil.which(script, path=env.get("PATH")) or shutil.which(script, path=str(Path(sys.executable).parent))
         if found is None:
             return None
         path = Path(found)

@@ -48,6 +48,8 @@ _TRANSFORMERS4_FIELDS = (
 )
 
 _state: dict[str, Any] = {}
+# pickle's own way to make an instance without calling its class (protocol 0); loads without xshard
+_RECONSTRUCTOR = copyreg._reconstructor  # type: ignore[attr-defined]
 
 
 def installed() -> bool:
@@ -65,9 +67,9 @@ def install() -> None:
     _state["trainer_new"] = transformers.Trainer.__dict__.get("__new__")
     _state["arguments_new"] = transformers.TrainingArguments.__dict__.get("__new__")
     _state["parser_init"] = hf_argparser.HfArgumentParser.__init__
-    transformers.Trainer.__new__ = staticmethod(_new_trainer)  # type: ignore[method-assign]
-    transformers.TrainingArguments.__new__ = staticmethod(_new_arguments)  # type: ignore[method-assign]
-    hf_argparser.HfArgumentParser.__init__ = _parser_init(_state["parser_init"])  # type: ignore[method-assign]
+    transformers.Trainer.__new__ = staticmethod(_new_trainer)
+    transformers.TrainingArguments.__new__ = staticmethod(_new_arguments)
+    hf_argparser.HfArgumentParser.__init__ = _parser_init(_state["parser_init"])
     os.environ[ENV_VAR] = "1"
 
 
@@ -82,8 +84,8 @@ def uninstall() -> None:
         if _state[key] is None:
             del cls.__new__
         else:
-            cls.__new__ = _state[key]  # type: ignore[method-assign]
-    hf_argparser.HfArgumentParser.__init__ = _state["parser_init"]  # type: ignore[method-assign]
+            cls.__new__ = _state[key]
+    hf_argparser.HfArgumentParser.__init__ = _state["parser_init"]
     _state.clear()
     os.environ.pop(ENV_VAR, None)
 
@@ -108,7 +110,7 @@ def xshard_trainer_class(cls: type) -> type:
 
 
 @functools.cache
-def xshard_arguments_class(cls: type) -> type:
+def xshard_arguments_class(cls: Any) -> Any:
     """``class cls(TrainingArgumentsMixin, cls)`` as a dataclass, with transformers 4's argument names the
     class lacks (``cls`` itself when it has the mixin already)."""
     from .arguments import TrainingArgumentsMixin
@@ -129,22 +131,23 @@ def xshard_arguments_class(cls: type) -> type:
         # the stock class, made without calling it (as pickle's protocol 0 does), and this instance's state
         reduced = super(made, self).__reduce_ex__(protocol)
         state = reduced[2] if isinstance(reduced, tuple) and len(reduced) > 2 else dict(self.__dict__)
-        return copyreg._reconstructor, (cls, object, None), state
+        return _RECONSTRUCTOR, (cls, object, None), state
 
     def __copy__(self: Any) -> Any:
-        new = object.__new__(made)
+        new: Any = object.__new__(made)
         new.__dict__.update(self.__dict__)
         return new
 
     def __deepcopy__(self: Any, memo: dict[int, Any]) -> Any:
-        new = memo[id(self)] = object.__new__(made)
+        new: Any = object.__new__(made)
+        memo[id(self)] = new
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return new
 
     namespace = {"__module__": cls.__module__, "__doc__": cls.__doc__, "to_dict": to_dict,
                  "__reduce_ex__": __reduce_ex__,
                  "__copy__": __copy__, "__deepcopy__": __deepcopy__}
-    made = dataclasses.make_dataclass(cls.__name__, fields, bases=(TrainingArgumentsMixin, cls), namespace=namespace)
+    made: Any = dataclasses.make_dataclass(cls.__name__, fields, bases=(TrainingArgumentsMixin, cls), namespace=namespace)
     made.__qualname__ = cls.__qualname__
     return made
 
