@@ -1,7 +1,8 @@
-"""A launcher started inside a launcher is refused at once, in one line naming the fix, instead of waiting
-for peers that never come: ``xshard launch`` run by a process of a running torchrun / xshard launch job
-(torchrun's ``TORCHELASTIC_RUN_ID`` / ``LOCAL_RANK``, xshard launch's marker folder), and a program that is
-itself a launcher (TRL's and Accelerate's CLIs, torchrun, as a command, its console script or ``-m``)."""
+"""A launcher started inside a launcher is refused at once, in one line naming the fix, instead of starting
+a job in each of the job's processes (or waiting on a shared rendezvous port for peers that never come):
+``xshard launch`` run by a process of a running torchrun / xshard launch job (torchrun's
+``TORCHELASTIC_RUN_ID`` / ``LOCAL_RANK``, xshard launch's marker folder), and a program that is itself a
+launcher (TRL's and Accelerate's CLIs, torchrun, as a command, its console script or ``-m``)."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ Examples:
   xshard launch --nnodes 2 --node_rank 0 --master_addr 10.0.0.1 --master_port 29500 train.py
   xshard launch --backend cuda --devices 0,2 --config ds_config.json train.py
   xshard launch --num_processes 8 --mixed_precision bf16 --config_file fsdp_config.yaml train.py
+  xshard launch --trainer --nproc 2 --config ds_config.json -m trl.scripts.sft ARGS   # a Trainer program, unedited
 
 The selected backend's launcher starts the processes (``Backend.launcher()``, see
 ``xshard.backends.launchers``): torchrun for backends with a process group, torch_xla's launcher on
@@ -16,6 +17,9 @@ SIGINT and SIGTERM are passed on to them (exit code 128 + the signal's number).
 Children get ``XSHARD_BACKEND`` (the backend chosen here, so every rank agrees), ``XSHARD_CONFIG``
 (``--config``, an absolute path), ``XSHARD_MIXED_PRECISION`` (``--mixed_precision``), the backend's
 visible-devices variable (``--devices``) and the variables the backend wants set (unless exported).
+With ``--trainer`` (or ``XSHARD_TRAINER=1``) each process runs the program through ``python -m
+xshard.trainer.patch`` and gets ``XSHARD_TRAINER=1``: every transformers Trainer it builds runs on xshard
+(``xshard.trainer.switch``). A launcher inside a launcher is refused (``xshard.cli.launch_nesting``).
 
 ``accelerate launch``'s common options work as they are: ``--num_processes`` (all nodes together),
 ``--num_machines``, ``--machine_rank``, ``--main_process_ip``, ``--main_process_port``,

@@ -5,7 +5,8 @@ Two shapes are seen from the launcher's own process:
 - ``xshard launch`` run by a process of a running job (a program that calls it, or a shell inside
   ``torchrun``/``xshard launch``): torchrun's contract sets ``TORCHELASTIC_RUN_ID`` and ``LOCAL_RANK`` in
   every process it starts, and ``xshard launch`` sets ``XSHARD_LAUNCH_MARKERS`` in its own. A second
-  launcher there would start its processes on top of the job's and wait for peers that never come.
+  launcher there starts a job of its own in each of the job's processes (N x N processes), or, where the
+  inner launchers share a rendezvous port (Accelerate's default 29500), waits for peers that never come.
 - the program given to ``xshard launch`` is itself a launcher (``trl``, ``accelerate``, ``torchrun``,
   ``deepspeed``, ``llamafactory-cli``, ``xshard``; as a command name, its console script or ``-m``): each of
   the job's processes would start a job of its own.
@@ -59,8 +60,9 @@ def refuse_nested_launch(env: Mapping[str, str]) -> None:
     if found:
         raise LaunchError(
             f"xshard launch was started inside a running job ({', '.join(found)} set: this process is one of its "
-            "processes), where it would wait for peers that never come: run the program itself there (`python "
-            "train.py ARGS`; the job already gives it its rank), or start xshard launch once, from outside the job")
+            "processes), where it would start a job of its own in each of the job's processes: run the program itself "
+            "there (`python train.py ARGS`; the job already gives it its rank), or start xshard launch once, from "
+            "outside the job")
 
 
 def refuse_launcher_program(script: str, module: bool, env: Mapping[str, str]) -> None:
