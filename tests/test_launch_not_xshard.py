@@ -60,7 +60,7 @@ def test_a_stock_accelerate_script_is_named_with_the_fix_and_the_unused_settings
     lines = [line for line in done.stderr.splitlines() if HINT in line]
     assert len(lines) == 1, done.stderr
     assert ("xshard had no part in the failure" in lines[0]) == (done.returncode != 0), lines[0]
-    assert "from xshard import Accelerator" in lines[0] and "from xshard.trainer import Trainer" in lines[0]
+    assert "from xshard import Accelerator" in lines[0] and "from xshard.trainer import" not in lines[0]
     assert f"--config {(tmp_path / 'stage2.yaml').resolve()}" in lines[0]
     assert "XSHARD_MIXED_PRECISION=bf16" in lines[0] and "XSHARD_BACKEND" not in lines[0]
 

@@ -5,6 +5,7 @@ Examples:
   xshard launch --nnodes 2 --node_rank 0 --master_addr 10.0.0.1 --master_port 29500 train.py
   xshard launch --backend cuda --devices 0,2 --config ds_config.json train.py
   xshard launch --num_processes 8 --mixed_precision bf16 --config_file fsdp_config.yaml train.py
+  xshard launch --trainer --nproc 2 --config ds_config.json -m trl.scripts.sft ARGS   # a Trainer program, unedited
 
 The selected backend's launcher starts the processes (``Backend.launcher()``, see
 ``xshard.backends.launchers``): torchrun for backends with a process group, torch_xla's launcher on
@@ -16,6 +17,9 @@ SIGINT and SIGTERM are passed on to them (exit code 128 + the signal's number).
 Children get ``XSHARD_BACKEND`` (the backend chosen here, so every rank agrees), ``XSHARD_CONFIG``
 (``--config``, an absolute path), ``XSHARD_MIXED_PRECISION`` (``--mixed_precision``), the backend's
 visible-devices variable (``--devices``) and the variables the backend wants set (unless exported).
+With ``--trainer`` (or ``XSHARD_TRAINER=1``) each process runs the program through ``python -m
+xshard.trainer.patch`` and gets ``XSHARD_TRAINER=1``: every transformers Trainer it builds runs on xshard
+(``xshard.trainer.switch``). A launcher inside a launcher is refused (``xshard.cli.launch_nesting``).
 
 ``accelerate launch``'s common options work as they are: ``--num_processes`` (all nodes together),
 ``--num_machines``, ``--machine_rank``, ``--main_process_ip``, ``--main_process_port``,
@@ -40,6 +44,8 @@ from xshard.backends import ENV_VAR, Backend, World, apply_visible_devices, pars
 from xshard.backends.launchers import LaunchError, LaunchPlan, LaunchRequest
 from xshard.backends.world import DEFAULT_MASTER_ADDR
 from xshard.cli.launch_cluster import with_cluster_defaults
+from xshard.cli.launch_hint import program_fix
+from xshard.cli.launch_nesting import refuse_launcher_program, refuse_nested_launch
 from xshard.cli.launch_options import LaunchOptions
 
 if TYPE_CHECKING:
@@ -47,6 +53,9 @@ if TYPE_CHECKING:
 
 CONFIG_ENV = "XSHARD_CONFIG"
 MIXED_PRECISION_ENV = "XSHARD_MIXED_PRECISION"
+TRAINER_ENV = "XSHARD_TRAINER"  # xshard.trainer.switch.ENV_VAR (not imported: that imports transformers)
+#: the module each process runs the program through under --trainer
+TRAINER_RUNNER = "xshard.trainer.patch"
 
 __all__ = ["LaunchError", "LaunchOptions", "LaunchPlan", "launch", "launch_options", "plan_launch", "run_plan"]
 
@@ -74,6 +83,8 @@ def plan_launch(opts: LaunchOptions, env: Mapping[str, str] | None = None) -> La
     backend's launcher adds what only its kind knows and the command (``Launcher.plan``).
     """
     env = os.environ if env is None else env
+    refuse_nested_launch(env)
+    refuse_launcher_program(opts.script, opts.module, env)
     opts = _with_config_defaults(with_cluster_defaults(opts, env), env)
     selection = select(opts.backend, env=dict(env))
     backend = selection.cls(World())
@@ -117,13 +128,23 @@ def plan_launch(opts: LaunchOptions, env: Mapping[str, str] | None = None) -> La
             f" x --nnodes {nnodes} asks for {world}: {backend.world_size_hint()}"
         )
 
+    script, script_args, module = opts.script, tuple(opts.script_args), opts.module
+    if trainer_switch(opts, env):
+        # each process runs the program through the runner, which turns the switch on first
+        script, script_args, module = TRAINER_RUNNER, (*(["-m"] if module else []), script, *script_args), True
+        child_env[TRAINER_ENV] = "1"
     request = LaunchRequest(
-        backend=backend.name, script=opts.script, script_args=tuple(opts.script_args), module=opts.module,
+        backend=backend.name, script=script, script_args=script_args, module=module,
         nproc=nproc, nproc_given=opts.nproc is not None, nnodes=nnodes, node_rank=node_rank,
         master_addr=master_addr, master_port=opts.master_port, max_restarts=opts.max_restarts,
         join_timeout=opts.join_timeout, env=child_env, parent_env=dict(env),
     )
     return backend.launcher().plan(request)
+
+
+def trainer_switch(opts: LaunchOptions, env: Mapping[str, str]) -> bool:
+    """Is the switch on: ``--trainer``, or ``XSHARD_TRAINER`` set to 1/true/yes in the launcher's environment?"""
+    return opts.trainer or env.get(TRAINER_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _check_counts(opts: LaunchOptions) -> None:
@@ -248,15 +269,18 @@ def launch(opts: LaunchOptions) -> int:
         plan.env[MARKER_ENV] = markers
         code = run_plan(plan)
         if not accelerator_was_built(markers):
-            print(not_on_xshard_message(plan.env, os.environ, failed=code != 0), file=sys.stderr)
+            fix = program_fix(opts.script, opts.module, switch=trainer_switch(opts, os.environ))
+            print(not_on_xshard_message(plan.env, os.environ, failed=code != 0, fix=fix), file=sys.stderr)
     return code
 
 
-def not_on_xshard_message(child_env: Mapping[str, str], env: Mapping[str, str], failed: bool = False) -> str:
+def not_on_xshard_message(child_env: Mapping[str, str], env: Mapping[str, str], failed: bool = False,
+                          fix: str | None = None) -> str:
     """The one line for a job whose processes never built an xshard Accelerator: what ran instead, the fix,
     and the settings that therefore had no effect. ``failed``: the job failed, and the line says that
     the failure came before xshard had any part in it (a stock script's own crash, or an error before
-    the script built its Accelerator)."""
+    the script built its Accelerator). ``fix``: the change that fits the program
+    (``xshard.cli.launch_hint.program_fix``); by default the one for a program it could not read."""
     from xshard.config.schema import ENV_PREFIX, FIELD_NAMES
 
     unused = []
@@ -268,8 +292,7 @@ def not_on_xshard_message(child_env: Mapping[str, str], env: Mapping[str, str], 
     # Accelerator's to read
     names = [ENV_PREFIX + name.upper() for name in FIELD_NAMES if name != "backend"] + [CONFIG_ENV]
     unused += [f"{name}={env[name]}" for name in names if name in env and name not in child_env]
-    fix = ("change its import to `from xshard import Accelerator` or `from xshard.trainer import Trainer, "
-           "TrainingArguments`")
+    fix = program_fix("", module=True) if fix is None else fix
     if failed:
         message = ("xshard launch: no process of this job built an xshard Accelerator before it failed, so xshard "
                    "had no part in the failure; if the script uses stock Accelerate or the stock Trainer, it ran "
@@ -322,6 +345,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="restart the whole job this many times after a failure (torchrun; default 0)")
     parser.add_argument("--join_timeout", "--join-timeout", type=int, default=None,
                         help="seconds a node waits for the others to join (several nodes; torchrun's default 600)")
+    parser.add_argument("--trainer", "--patch_trainer", "--patch-trainer", action="store_true",
+                        help="run every transformers Trainer (and subclass: TRL's, a framework's) the program builds on "
+                             "xshard, with no edit to the program (XSHARD_TRAINER=1 does the same; plain torchrun: "
+                             "torchrun ... -m xshard.trainer.patch script.py)")
     parser.add_argument("-m", "--module", action="store_true", help="the script is a module name (python -m)")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -335,7 +362,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         num_processes=args.num_processes, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port, devices=devices, backend=args.backend,
         config=args.config, mixed_precision=args.mixed_precision, module=args.module,
-        max_restarts=args.max_restarts, join_timeout=args.join_timeout,
+        max_restarts=args.max_restarts, join_timeout=args.join_timeout, trainer=args.trainer,
     )
 
 

@@ -29,3 +29,5 @@ class LaunchOptions:
     module: bool = False
     max_restarts: int = 0
     join_timeout: int | None = None
+    #: --trainer: every transformers Trainer in the job's processes on xshard (xshard.trainer.patch)
+    trainer: bool = False

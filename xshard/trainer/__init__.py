@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .arguments import TrainingArguments, TrainingArgumentsMixin
+from ._requirements import transformers_trainer_error
+
+try:
+    from .arguments import TrainingArguments, TrainingArgumentsMixin
+except ImportError as exc:  # transformers' own reason (accelerate missing...) in one line, with the fix
+    raise transformers_trainer_error(exc) from exc
 from .config import sharding_config
 
 __all__ = ["Trainer", "TrainerMixin", "TrainingArguments", "TrainingArgumentsMixin", "sharding_config"]
@@ -20,7 +25,10 @@ __all__ = ["Trainer", "TrainerMixin", "TrainingArguments", "TrainingArgumentsMix
 def __getattr__(name: str) -> Any:
     # the Trainer imports transformers' Trainer (slow): loaded on first use
     if name in ("Trainer", "TrainerMixin"):
-        from . import trainer
+        try:
+            from . import trainer
+        except ImportError as exc:
+            raise transformers_trainer_error(exc) from exc
 
         return getattr(trainer, name)
     raise AttributeError(f"module 'xshard.trainer' has no attribute {name!r}")
