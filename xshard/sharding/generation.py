@@ -20,7 +20,8 @@ from torch import nn
 
 def generates_like_transformers(module: nn.Module) -> bool:
     """Is ``module.generate`` transformers' (``GenerationMixin``), directly or through a PEFT model?"""
-    inner = module.get_base_model() if callable(getattr(module, "get_base_model", None)) else module
+    get_base_model = getattr(module, "get_base_model", None)
+    inner = get_base_model() if callable(get_base_model) else module
     return any(cls.__name__ == "GenerationMixin" for cls in type(inner).__mro__)
 
 
