@@ -12,6 +12,7 @@ one) is wrapped; any other ``generate`` is left as it is.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,8 @@ class SyncedGenerate:
         self.module = module
         self.alone = alone  # True inside summon_full_params: forwards run no collective
         self.inner = module.__dict__.get("generate")  # a generate set on the instance before, kept
+        # name, docstring and signature (inspect.signature follows __wrapped__) of the generate it stands for
+        functools.update_wrapper(self, self.inner or type(module).generate.__get__(module))  # type: ignore[attr-defined]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.alone():
