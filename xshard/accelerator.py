@@ -726,6 +726,15 @@ class Accelerator(AccelerateSurface):
         ``keep_torch_compile`` are accepted: xshard wraps no forward and compiles nothing."""
         return getattr(model, "module", model) if any(model is m for m in self.job.models) else model
 
+    def summon_full_params(self, model: torch.nn.Module, writeback: bool = True) -> contextlib.AbstractContextManager:
+        """A block in which ``model``'s parameters are whole on this rank (PyTorch FSDP's
+        ``summon_full_params``): ``model`` is a prepared model or the user's module inside it
+        (``unwrap_model``, a Trainer's ``self.model``); every process must enter it. See
+        ``ShardedModel.summon_full_params`` for ``writeback``. A model not prepared here: nothing to do."""
+        prepared = next((m for m in self.job.models if model is m or getattr(m, "module", None) is model), None)
+        summon = getattr(prepared, "summon_full_params", None)
+        return summon(writeback=writeback) if summon is not None else contextlib.nullcontext()
+
     def full_state_dict(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Full (unsharded) CPU weights, keys as the user's ``module.state_dict()``; complete on rank 0."""
         if hasattr(model, "full_state_dict"):

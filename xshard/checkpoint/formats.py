@@ -99,10 +99,15 @@ def _rows_view(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 
 
 def write_full_model(writer: FileWriter, i: int, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Rank 0: the gathered state dict as one safetensors file; returns its row table."""
+    """Rank 0: the gathered state dict as one safetensors file; returns its row table. A tied weight (one
+    tensor under several names) is stored once, under its first name, as transformers saves it."""
     name = model_file(i)
-    writer.safetensors(name, weights)
-    return {k: _entry(tuple(v.shape), v.dtype, [[name, 0, rows_of(tuple(v.shape))]]) for k, v in weights.items()}
+    first_key: dict[int, str] = {}
+    stored = {k: v for k, v in weights.items() if first_key.setdefault(id(v), k) == k}
+    writer.safetensors(name, stored)
+    return {k: ({"same_as": first_key[id(v)]} if k not in stored
+                else _entry(tuple(v.shape), v.dtype, [[name, 0, rows_of(tuple(v.shape))]]))
+            for k, v in weights.items()}
 
 
 def write_model_rows(writer: FileWriter, i: int, model: Any) -> dict[str, Any]:

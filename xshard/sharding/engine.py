@@ -77,5 +77,6 @@ class Engine(ABC):
         """Forget gradients held between micro-steps (outside the user's ``param.grad``)."""
 
     @abstractmethod
-    def full_params_context(self) -> contextlib.AbstractContextManager[Any]:
-        """A block in which every parameter of the model is whole on this rank (see ``summon_full_params``)."""
+    def full_params_context(self, writeback: bool = False) -> contextlib.AbstractContextManager[Any]:
+        """A block in which every parameter of the model is whole on this rank (see ``summon_full_params``);
+        ``writeback``: changes made to them in the block reach the shards."""

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from . import generation as _generation
 from . import state_dict as _state_dict
 from . import stats as _stats
 from .buffers import BufferSync
@@ -135,6 +136,9 @@ class ShardedModel(nn.Module):
         # on XLA): the backend patches such a call while this model lives (see close()).
         self._step_patch = backend.optimizer_step_patch() if plan.shard_parameters else None
         self._finalizer = weakref.finalize(self, self._step_patch.restore) if self._step_patch else None
+        # each forward gathers over the shard group: generate() keeps every rank stepping (generation.py)
+        self._unwrap_generate = (_generation.install(module, lambda: self._summoned)
+                                 if plan.reshard_after_forward.frees and self._rt.world_size > 1 else None)
         self._closed = False
 
     def _align_replicas(self) -> None:
@@ -280,15 +284,18 @@ class ShardedModel(nn.Module):
         optimizer.register_step_post_hook(lambda *_: self._engine.shards_changed())
 
     @contextlib.contextmanager
-    def summon_full_params(self) -> Iterator[None]:
+    def summon_full_params(self, writeback: bool = True) -> Iterator[None]:
         """Inside the block every parameter is whole on this rank, and forward runs without collectives.
 
         Every rank must enter it (gathering is a collective); inside, one rank alone may run the model,
         e.g. ``generate()`` on rank 0 at stage 3, which would otherwise wait for the other ranks'
-        all-gathers. Costs the whole model's memory on every rank while it lasts. Changes made to the
-        parameters inside are not written back.
+        all-gathers. Costs the whole model's memory on every rank while it lasts; gradients are off.
+        As PyTorch FSDP's ``summon_full_params``: with ``writeback`` (the default) changes made to the
+        parameters inside are kept, each rank keeping its own rows' changes (make the same change on
+        every rank); with ``writeback=False`` they are discarded. At stage 0 the parameters are the
+        model's own and changes always stay. Entering it again inside the block does nothing.
         """
-        with torch.no_grad(), self._engine.full_params_context():
+        with torch.no_grad(), self._engine.full_params_context(writeback):
             outer, self._summoned = self._summoned, True
             try:
                 yield
@@ -303,6 +310,8 @@ class ShardedModel(nn.Module):
         self._engine.remove_hooks()
         self._buffers_sync.remove()
         self._sharded_state_dict.remove()
+        if self._unwrap_generate is not None:
+            self._unwrap_generate()
         if self._precision is not None:
             self._precision.remove()
         if self._finalizer is not None:

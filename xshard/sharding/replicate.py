@@ -134,7 +134,8 @@ class ReplicatedEngine(Engine):
     def zero_grad(self) -> None:
         """Gradients live only in ``param.grad``."""
 
-    def full_params_context(self) -> contextlib.AbstractContextManager:
+    def full_params_context(self, writeback: bool = False) -> contextlib.AbstractContextManager:
+        """Nothing to gather: the parameters are whole, and changes to them always stay."""
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ hooks

@@ -17,6 +17,14 @@ on the autograd engine finishes what did not fire (units without grad-requiring 
 units skipped in this step), in a fixed order, reduces every unit when the plan reduces at the end of
 backward, waits for the reduces and writes each rank's gradient shard into ``param.grad``.
 
+Off-forward calls: the root unit holds the parameters no other unit holds (embeddings, final norms, a
+head), swapped in only while the root module runs. Every module that registers one of them, and every
+module on the way to it from the root (an encoder, ``model.model``), gets a pre-hook of its own: called
+outside the root's forward (``generate()`` calling the encoder, ``get_input_embeddings()(ids)``), it
+gathers the root unit and swaps it in for the call, and the units inside gather themselves as usual;
+afterwards the root is swapped out and, when no backward follows, every gather is settled as after an
+evaluation forward. Inside the root's forward the hooks see the root swapped in and do nothing.
+
 torch.compile: the hooks are ``torch.compiler.disable``d, so a compiled model (or compiled blocks)
 runs them eagerly at graph breaks around each unit, and the compiled graphs see ordinary Parameters
 (the full copies, the same objects every step, so no recompilation).
@@ -78,11 +86,19 @@ class ShardedEngine(Engine):
         self._reduces: deque[PendingReduce] = deque()
         self._callback_queued = False
         self._summoned = False  # inside full_params_context: hooks stand aside
+        #: the module whose off-forward call swapped the root unit in (see the module docstring)
+        self._off_forward_owner: torch.nn.Module | None = None
+        #: root parameters took part in a graph outside the root's forward: their gradients may arrive
+        #: after the root's inputs' gradients, so the root is reduced at the end of backward
+        self._root_reduced_last = False
         self._hooks: list[Any] = []
         for unit in units:
             self._hooks.append(unit.module.register_forward_pre_hook(
                 functools.partial(self._pre_forward, unit), with_kwargs=True))
             self._hooks.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
+        for module in modules_reaching(self.root.module, {id(m) for sp in self.root.params for m, _ in sp.spec.places}):
+            self._hooks.append(module.register_forward_pre_hook(self._off_forward_pre, with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(self._off_forward_post, always_call=True))
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -172,6 +188,35 @@ class ShardedEngine(Engine):
             t.register_hook(hook)
         return output
 
+    # ------------------------------------------------------------------ off-forward calls
+    @torch.compiler.disable
+    def _off_forward_pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                         ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        root = self.root
+        if self._summoned or root.swapped:  # inside the root's forward (or backward), or all whole
+            return None
+        root.refresh_trainable()
+        root.wait_gather(after=tensors_in((args, kwargs)))
+        root.swap_in()
+        self._off_forward_owner = module
+        dtype = self.plan.precision.param_dtype
+        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+
+    @torch.compiler.disable
+    def _off_forward_post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._off_forward_owner is not module:
+            return
+        self._off_forward_owner = None
+        self.root.swap_out()
+        grad_outputs = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        if grad_outputs:  # the root's gradients come back through these: it stays gathered for them
+            self._root_reduced_last = True
+            hook = functools.partial(self._pre_backward, self.root)
+            for t in grad_outputs:
+                t.register_hook(hook)
+        else:
+            self._settle_gathers()
+
     def _settle_gathers(self) -> None:
         """Complete every gather in flight (each collective must finish on every rank) and, when the
         plan reshards after forward, free what is gathered."""
@@ -202,7 +247,7 @@ class ShardedEngine(Engine):
     @torch.compiler.disable
     def _post_backward(self, unit: Unit) -> None:
         unit.pending_backward_calls -= 1
-        if unit.pending_backward_calls <= 0:
+        if unit.pending_backward_calls <= 0 and not (unit.is_root and self._root_reduced_last):
             self._unit_backward_done(unit)
 
     def _unit_backward_done(self, unit: Unit) -> None:
@@ -241,6 +286,7 @@ class ShardedEngine(Engine):
         for unit in self.units:
             unit.backward = BackwardState.IDLE
             unit.pending_backward_calls = 0
+        self._root_reduced_last = False
 
     def drain(self) -> None:
         """Wait for every reduce in flight and write the gradient shards."""
@@ -249,8 +295,12 @@ class ShardedEngine(Engine):
 
     # ------------------------------------------------------------------ whole parameters
     @contextlib.contextmanager
-    def full_params_context(self) -> Iterator[None]:
-        """Every unit gathered and swapped in; forward runs with no collective (every rank must enter)."""
+    def full_params_context(self, writeback: bool = False) -> Iterator[None]:
+        """Every unit gathered and swapped in; forward runs with no collective (every rank must enter).
+
+        Afterwards the units are marked stale (the full copies may have been changed: resident copies
+        are gathered afresh); with ``writeback`` each rank first copies its rows' changes into its shards.
+        """
         if self._summoned:
             yield
             return
@@ -266,5 +316,29 @@ class ShardedEngine(Engine):
             self._summoned = False
             for unit in self.units:
                 unit.swap_out()
+                if writeback:
+                    unit.write_back()
+                unit.stale = True
                 if self.plan.reshard_after_forward.frees:
                     unit.reshard()
+
+
+def modules_reaching(root: torch.nn.Module, targets: set[int]) -> list[torch.nn.Module]:
+    """The modules below ``root`` that are, or contain, a module whose id is in ``targets``."""
+    found: dict[int, torch.nn.Module] = {}
+    seen: dict[int, bool] = {}
+
+    def visit(module: torch.nn.Module) -> bool:
+        if id(module) in seen:
+            return seen[id(module)]
+        seen[id(module)] = False
+        hit = id(module) in targets
+        for child in module.children():
+            hit = visit(child) or hit
+        seen[id(module)] = hit
+        if hit and module is not root:
+            found[id(module)] = module
+        return hit
+
+    visit(root)
+    return list(found.values())

@@ -221,11 +221,17 @@ def full_state_dict(model: Any, rank0_only: bool = True) -> dict[str, torch.Tens
         return {}
     by_key = _param_keys(module)
     out: dict[str, torch.Tensor] = {}
+    copies: dict[int, torch.Tensor] = {}  # a tied (replicated) parameter is copied once, for all its names
     with model.raw_state_dict():
         entries = module.state_dict()
     for key, value in entries.items():
         p = by_key.get(key)
-        out[key] = full[id(p)] if p is not None and id(p) in full else value.detach().to("cpu", copy=True)
+        if p is not None and id(p) in full:
+            out[key] = full[id(p)]
+        elif p is not None:
+            out[key] = copies.setdefault(id(p), value.detach().to("cpu", copy=True))
+        else:
+            out[key] = value.detach().to("cpu", copy=True)
     return out
 
 

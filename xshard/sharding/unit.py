@@ -124,6 +124,8 @@ class Unit:
         self._post_stamp: tuple[int, ...] | None = None
         self.backward = BackwardState.IDLE
         self.pending_backward_calls = 0
+        #: the full copies are registered in the modules (between ``swap_in`` and ``swap_out``)
+        self.swapped = False
         self.trainable: list[ShardedParam] = []
         self.refresh_trainable()
         if not resident:
@@ -295,10 +297,28 @@ class Unit:
     def swap_in(self) -> None:
         for sp in self.params:
             sp.swap(True)
+        self.swapped = True
 
     def swap_out(self) -> None:
         for sp in self.params:
             sp.swap(False)
+        self.swapped = False
+
+    def write_back(self) -> None:
+        """Copy into each shard the elements of its rows that differ in the full copy (a change made
+        while the parameters were whole); untouched elements keep their values, so a full copy in a
+        lower compute dtype does not round the master shard."""
+        with torch.no_grad():
+            for sp in self.params:
+                lay = sp.layout
+                if not lay.local_numel:
+                    continue
+                start = lay.start * lay.row_numel
+                rows = sp.full.detach().reshape(-1)[start:start + lay.local_numel]
+                shard = sp.padded[: lay.local_numel]
+                old = shard.to(device=rows.device, dtype=rows.dtype)
+                new = torch.where(rows != old, rows.to(shard.dtype), shard.to(rows.device))
+                shard.copy_(new)
 
     def drop_full_grads(self) -> None:
         """Forget full gradients held between micro-steps (``zero_grad``)."""

@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # the checker reads the mixin's members on the arguments it j
 else:
     _ArgumentsHost = object
 
-__all__ = ["TrainingArguments", "TrainingArgumentsMixin", "XShardDistributedState"]
+__all__ = ["Seq2SeqTrainingArguments", "TrainingArguments", "TrainingArgumentsMixin", "XShardDistributedState"]
 
 
 def _torch_has_accelerator() -> bool:
@@ -302,3 +302,9 @@ class TrainingArguments(TrainingArgumentsMixin, transformers.TrainingArguments):
             data.pop(name, None)
         return data
 
+
+
+@dataclass
+class Seq2SeqTrainingArguments(TrainingArguments, transformers.Seq2SeqTrainingArguments):
+    """``transformers.Seq2SeqTrainingArguments`` on xshard: ``TrainingArguments``' meanings, plus the
+    generation arguments (``predict_with_generate``, ``generation_max_length``, ...)."""

@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # the checker reads the mixin's members on the Trainer it joi
 else:
     _TrainerHost = object
 
-__all__ = ["Trainer", "TrainerMixin"]
+__all__ = ["Seq2SeqTrainer", "Trainer", "TrainerMixin"]
 
 
 def _always_false(name: str) -> property:
@@ -116,6 +116,25 @@ class TrainerMixin(_TrainerHost):
                 rates["mfu"] = rates.pop("train_mfu")
             logs = {**logs, **rates}
         super().log(logs, *args, **kwargs)
+
+    @property
+    def gather_function(self) -> Any:
+        """How evaluation gathers per-sample values: ``gather_for_metrics`` (the loader's order, each sample once).
+
+        Design note: ``Seq2SeqTrainer.evaluate``/``predict`` set the plain ``accelerator.gather`` here.
+        Accelerate gives each process whole consecutive batches, so a plain gather keeps the data set's
+        order (with the last batch's wrap-around repeats at the end); xshard interleaves the samples
+        over the ranks, so a plain gather would put predictions out of the data set's order. That one
+        assignment is read as ``gather_for_metrics``; any other function is kept as given.
+        """
+        return self.__dict__.get("_xshard_gather_function")
+
+    @gather_function.setter
+    def gather_function(self, function: Any) -> None:
+        accelerator = self.__dict__.get("accelerator")
+        if accelerator is not None and function == accelerator.gather:
+            function = functools.partial(accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object)
+        self.__dict__["_xshard_gather_function"] = function
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
         """Nothing: ``prepare`` places each rank's shard on its device (the whole model never is)."""
@@ -222,6 +241,11 @@ def _is_peft_model(model: Any) -> bool:
 
 class Trainer(TrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` on xshard: the same arguments and behaviour, sharded at the config's stage."""
+
+
+class Seq2SeqTrainer(TrainerMixin, transformers.Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` on xshard: ``predict_with_generate`` generates at every stage (at
+    stage 3 each rank gathers the units as the steps need them, every rank stepping until all are done)."""
 
 
 # The mixin overrides these Trainer methods; a transformers release that renames one would silently
