@@ -24,10 +24,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from xshard.backends.launchers import LaunchError
+from xshard.runtime.launch_marker import MARKER_ENV
 
 __all__ = ["refuse_launcher_program", "refuse_nested_launch"]
 
-MARKER_ENV = "XSHARD_LAUNCH_MARKERS"  # xshard.launch_marker's name (not imported: it is the job's side)
 #: set in every process torchrun (and so xshard launch) starts
 _JOB_VARIABLES = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", MARKER_ENV)
 
