@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # The CPU build of torch; a plain `pip install torch` would download a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo demo-minimal test test-fast lint typecheck clean vendor-wheels
+.PHONY: install demo demo-minimal test test-fast test-floor lint typecheck clean vendor-wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,12 +35,28 @@ demo: install
 demo-minimal: install
 	$(BIN)/xshard launch --nproc 2 examples/minimal.py
 
-# Everything: ruff, the whole suite in .venv (tests/README.md maps features to files), then the XLA tests.
+# Everything: ruff, the whole suite in .venv (tests/README.md maps features to files), the Trainer's tests on the
+# lowest transformers pyproject allows (test-floor), then the XLA tests.
 test: install vendor-wheels
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck
 	$(VENDOR_ENV) $(BIN)/python -m pytest -q --durations=25
+	$(MAKE) --no-print-directory test-floor
 	$(MAKE) --no-print-directory test-xla
+
+# The Trainer's tests on the lowest transformers pyproject allows (5.6.0, also LLaMA-Factory's cap), while .venv
+# holds the newest: that release and the hub and tokenizers it takes, installed beside .venv in .floor and put
+# first on the path (everything else is .venv's). XSHARD_TRANSFORMERS_FLOOR makes the tests check the version.
+FLOOR := .floor
+FLOOR_PACKAGES := transformers==5.6.0 huggingface-hub==1.33.0 tokenizers==0.22.2 httpx==0.28.1 httpcore==1.0.9
+$(FLOOR)/.installed: $(VENV)/.installed
+	rm -rf $(FLOOR)
+	$(BIN)/pip install --quiet --no-deps --target $(FLOOR) $(FLOOR_PACKAGES)
+	touch $@
+
+test-floor: $(FLOOR)/.installed
+	PYTHONPATH=$(FLOOR) XSHARD_TRANSFORMERS_FLOOR=5.6.0 $(BIN)/python -m pytest -q tests/test_trainer.py \
+	    tests/test_trainer_arguments.py tests/test_trainer_floor.py
 
 # The single-process tests: everything but the tests marked `multiprocess` (they start jobs of several
 # processes) and `xla` (they need torch_xla, see test-xla). For the edit-run loop; `make test` before a merge.
@@ -57,7 +73,7 @@ typecheck: install
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(FLOOR) build *.egg-info .pytest_cache .mypy_cache
 
 # Conformance (tests/test_vendor_conformance.py): the device layer's vendor calls and the test fakes are
 # checked against the real wheel of the torch-npu release for this torch, read with ast (torch_npu cannot

@@ -197,8 +197,11 @@ class TrainingArgumentsMixin(_ArgumentsHost):
         try:
             super().__post_init__()
         finally:
-            # as the user gave them: a copy (dataclasses.replace) reads them again
-            self.deepspeed, self.fsdp = deepspeed, fsdp
+            # as the user gave them: a copy (dataclasses.replace) reads them again. No --fsdp keeps the stock
+            # class's own empty value (transformers 5.6 makes it [] and its Trainer takes len() of it).
+            self.deepspeed = deepspeed
+            if fsdp:
+                self.fsdp = fsdp
         self.xshard_fsdp_words = words
         self.deepspeed_plugin = None
         self.hf_deepspeed_config = None
