@@ -69,6 +69,12 @@ _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16
                 "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 
 
+#: the most processes an estimate is made for: far above any cluster, far below where the shards round to 0 bytes
+MAX_NPROC = 1 << 20
+#: the largest micro-batch (sequences per device) and sequence length (tokens) an estimate is made for
+MAX_MICRO_BATCH, MAX_SEQ_LEN = 1 << 20, 1 << 24
+
+
 class EstimateError(XShardError, ValueError):
     """Bad input to the estimator (missing file, unknown model type, bad option); the message says the fix."""
 
@@ -316,6 +322,11 @@ def estimate_memory(size: ModelSize, nproc: int, stage: int, dtype: str = "bf16"
     for name, value in (("nproc", nproc), ("micro-batch", micro_batch), ("seq-len", seq_len)):
         if value < 1:
             raise EstimateError(f"--{name} must be at least 1, got {value}")
+    for name, value, most, what in (("nproc", nproc, MAX_NPROC, "more devices than any job runs"),
+                                    ("micro-batch", micro_batch, MAX_MICRO_BATCH, "more sequences than a device holds"),
+                                    ("seq-len", seq_len, MAX_SEQ_LEN, "longer than any model's context")):
+        if value > most:
+            raise EstimateError(f"--{name} {value} is {what}; give at most {most:,}")
     try:
         plan = _plan(stage)
     except ValueError:

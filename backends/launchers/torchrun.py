@@ -17,6 +17,7 @@ interface, as it must for the other nodes to reach it; keep that port inside a t
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -32,6 +33,12 @@ from .base import GUARD, Launcher, LaunchError, LaunchPlan, LaunchRequest, exit_
 #: a file that outlives the ranks of a job with restarts: the ranks note there where they save
 #: checkpoints, so that restarted ranks resume from them (``xshard.checkpoint.auto_resume``)
 RESUME_FILE_ENV = "XSHARD_RESUME_FILE"
+
+
+def port_in_use(port: int | str) -> str:
+    """The one line for a rendezvous port that another program already listens on."""
+    return (f"--master_port {port}: the port is in use on this machine (another job or program listens on it); "
+            "choose another with --master_port N, or leave --master_port out on one node to pick a free one")
 
 
 def free_port() -> int:
@@ -51,7 +58,13 @@ def loopback_store(port: int = 0) -> Any:
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((_LOOPBACK, port))
+    try:
+        sock.bind((_LOOPBACK, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise LaunchError(port_in_use(port)) from None
+        raise
     sock.listen(1024)
     store = TCPStore(_LOOPBACK, sock.getsockname()[1], is_master=True, master_listen_fd=sock.fileno(),
                      multi_tenant=True, wait_for_workers=False)
@@ -141,6 +154,11 @@ class TorchrunLauncher(Launcher):
             print(f"xshard launch: got {exc.sigval.name}; the ranks were stopped", file=sys.stderr)
             return 128 + int(exc.sigval)
         except (RendezvousError, DistError) as exc:  # the agents never met (DistError: the store timed out)
+            plan.failed_before_scripts = True
+            if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+                port = next((a.split("=", 1)[1] for a in plan.argv if a.startswith("--master-port=")), "")
+                print(f"xshard launch: error: {port_in_use(port)}", file=sys.stderr)
+                return 1
             print(f"xshard launch: the nodes could not meet ({type(exc).__name__}: {exc}); check that every node "
                   "runs `xshard launch` with the same --nnodes, --master_addr and --master_port, and that node 0 "
                   "is reachable on that port (--join_timeout sets how long to wait)", file=sys.stderr)
