@@ -22,13 +22,13 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..cluster import DEFAULT_MASTER_ADDR as _LOOPBACK  # this machine's rendezvous address
 from .base import GUARD, Launcher, LaunchError, LaunchPlan, LaunchRequest, exit_code
+from .temp_dirs import job_temp_dir
 
 #: a file that outlives the ranks of a job with restarts: the ranks note there where they save
 #: checkpoints, so that restarted ranks resume from them (``xshard.checkpoint.auto_resume``)
@@ -141,10 +141,13 @@ class TorchrunLauncher(Launcher):
         args.training_script = str(GUARD)
         args.training_script_args = [sys.executable, "-u", *script, *plan.script_args]
         try:
-            with tempfile.TemporaryDirectory(prefix="xshard-run-") as run_dir, env_override(**{
+            with job_temp_dir("run") as run_dir, env_override(**{
                 PARENT_ENV: str(os.getpid()),
                 RESUME_FILE_ENV: os.environ.get(RESUME_FILE_ENV) or os.path.join(run_dir, "checkpoint-folder"),
             }), _single_node_on_loopback(args):
+                # torchrun's per-rank error files: in this launcher's folder, not a torchelastic_* folder of
+                # the system's temporary folder that nothing removes
+                args.log_dir = args.log_dir or os.path.join(run_dir, "torchelastic")
                 run(args)
         except ChildFailedError as exc:
             code, message = failure_report(exc.failures)

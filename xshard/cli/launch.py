@@ -272,15 +272,17 @@ def run_plan(plan: LaunchPlan) -> int:
 
 def launch(opts: LaunchOptions) -> int:
     """Plan and run: the whole of `xshard launch`."""
-    import tempfile
-
+    from xshard.backends.launchers.temp_dirs import job_temp_dir, sweep_stale
     from xshard.launch_marker import MARKER_ENV, accelerator_was_built
     from xshard.log import get_logger, setup_logging
 
     setup_logging()
     plan = plan_launch(opts)
-    get_logger("xshard.launch").info("launching: %s", plan.describe())
-    with tempfile.TemporaryDirectory(prefix="xshard-launch-") as markers:
+    log = get_logger("xshard.launch")
+    for stale in sweep_stale():  # what launchers killed with SIGKILL left behind
+        log.info("removed %s, left by a launcher that was killed", stale)
+    log.info("launching: %s", plan.describe())
+    with job_temp_dir("launch") as markers:
         plan.env[MARKER_ENV] = markers
         code = run_plan(plan)
         if not accelerator_was_built(markers) and not plan.failed_before_scripts:
