@@ -221,7 +221,7 @@ def safetensors_shapes(path: Path) -> dict[str, list[int]]:
                 raise ValueError(f"its header length {length} is larger than the file")
             header = json.loads(f.read(length))
         shapes = {name: [int(n) for n in info["shape"]] for name, info in header.items() if name != "__metadata__"}
-    except (OSError, struct.error, ValueError, TypeError, KeyError, AttributeError) as exc:
+    except (OSError, struct.error, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
         raise EstimateError(f"{path}: not a readable .safetensors file ({exc})") from exc
     return shapes
 
@@ -229,7 +229,11 @@ def safetensors_shapes(path: Path) -> dict[str, list[int]]:
 def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (ValueError, AttributeError, RecursionError) as exc:
+            raise EstimateError(f"{index}: not a readable shard index ({exc}); remove it to count the *.safetensors "
+                                "files, or pass the config.json alone") from exc
         files = sorted({folder / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -267,8 +271,8 @@ def load_model_size(path: str | Path) -> ModelSize:
         raise EstimateError(f"--model {path}: the folder has no config.json (needed for the layer shapes)")
     try:
         config = json.loads(config_file.read_text())
-    except ValueError as exc:
-        raise EstimateError(f"{config_file}: not valid JSON ({exc})") from exc
+    except (ValueError, RecursionError) as exc:
+        raise EstimateError(f"{config_file}: not valid JSON ({exc}); give the model's config.json") from exc
     if not isinstance(config, dict):
         raise EstimateError(f"{config_file}: expected a JSON object of model settings")
     counted = count_safetensors(path) if path.is_dir() else None

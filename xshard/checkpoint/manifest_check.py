@@ -62,6 +62,13 @@ def check_manifest(path: Path, manifest: Any, error: type[Exception]) -> None:
         if key in manifest and not _count(manifest[key]):
             raise error(f"{path}: key {key!r} is {manifest[key]!r}, expected a whole number from 0 to {MAX_COUNT}; "
                         "the manifest was edited: load another checkpoint")
+    if manifest.get("world_size", 1) == 0:
+        raise error(f"{path}: key 'world_size' is 0, expected the number of processes that saved (at least 1); the "
+                    "manifest was edited: load another checkpoint")
+    stage = manifest.get("stage")
+    if stage is not None and (not _count(stage) or stage > 3):
+        raise error(f"{path}: key 'stage' is {stage!r}, expected 0, 1, 2 or 3; the manifest was edited: load another "
+                    "checkpoint")
     for key in ("tables", "config"):
         if key in manifest and not isinstance(manifest[key], dict):
             raise error(f"{path}: key {key!r} is {manifest[key]!r}, expected a mapping; load another checkpoint")
