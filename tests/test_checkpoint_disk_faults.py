@@ -65,7 +65,7 @@ def test_an_async_save_on_a_full_disk_removes_its_tmp_folder_and_gives_the_byte_
     error = lines["ERROR"]
     assert "\n" not in error
     assert error.startswith(f"CheckpointError:the background write of {lines['_mount']}/checkpoint-2 failed: the disk "
-                            "is full (this rank's files need ")
+                            "is full (No space left on device: this rank's files need ")
     needed = int(error.split("need ")[1].split(" bytes")[0].replace(",", ""))
     free = int(error.split("bytes, ")[1].split(" are free")[0].replace(",", ""))
     assert needed > free >= 0 and "free some space or save to another disk" in error

@@ -306,8 +306,10 @@ def _disk_full(tmp: Path, writer: FileWriter) -> CheckpointSaveError:
         free = f"{shutil.disk_usage(tmp if tmp.exists() else tmp.parent).free + written:,}"
     except OSError:
         free = "unknown"
-    error = CheckpointSaveError(f"the disk is full (this rank's files need {writer.bytes_needed:,} bytes, {free} are "
-                                f"free in {tmp.parent}); free some space or save to another disk")
+    reason = writer.no_space.strerror if writer.no_space is not None else None
+    error = CheckpointSaveError(f"the disk is full ({reason or 'no space left'}: this rank's files need "
+                                f"{writer.bytes_needed:,} bytes, {free} are free in {tmp.parent}); free some space or "
+                                "save to another disk")
     error.__cause__ = writer.no_space
     return error
 
