@@ -45,7 +45,7 @@ def sweep_stale(folder: str | None = None) -> list[Path]:
     names them, owned by this user, whose launcher's pid is not running."""
     root = Path(folder or tempfile.gettempdir())
     pattern = re.compile(rf"^xshard-(?:{'|'.join(_KINDS)})-(\d+)-{re.escape(_host())}-[^/]+$")
-    removed = []
+    removed: list[Path] = []
     try:
         entries = list(root.iterdir())
     except OSError:

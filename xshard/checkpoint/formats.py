@@ -299,7 +299,7 @@ class TableSource:
         return self._entry(key)
 
     def dtype(self, key: str) -> torch.dtype | None:
-        return _DTYPES.get(self._entry(key).get("dtype"))  # an unknown name is refused when it is read
+        return _DTYPES.get(str(self._entry(key).get("dtype")))  # an unknown name is refused when it is read
 
     def rows(self, key: str, start: int, stop: int, where: str) -> torch.Tensor:
         return self.reader.rows(self.table, key, start, stop, where)
