@@ -61,6 +61,7 @@ def _launch(tmp_path, *args, env=None):
     return done
 
 
+@pytest.mark.multiprocess  # `xshard launch` starts its ranks
 @pytest.mark.parametrize("variable,value,error", [
     ("XSHARD_STAGE", "7", "XSHARD_STAGE: '7' is not valid"),
     ("XSHARD_TIMEOUT", "-5", "XSHARD_TIMEOUT: '-5' is not valid"),
@@ -74,6 +75,7 @@ def test_the_accelerators_own_settings_error_is_not_followed_by_a_false_not_on_x
     assert HINT not in done.stderr
 
 
+@pytest.mark.multiprocess  # `xshard launch` starts its ranks
 def test_a_port_in_use_names_the_port_and_how_to_choose_another(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("import xshard\nxshard.Accelerator()\n")
@@ -89,6 +91,7 @@ def test_a_port_in_use_names_the_port_and_how_to_choose_another(tmp_path):
         "one"], done.stderr
 
 
+@pytest.mark.multiprocess  # `xshard launch` starts its ranks
 def test_a_failed_rendezvous_is_not_followed_by_a_false_not_on_xshard_line(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("import xshard\nxshard.Accelerator()\n")
