@@ -139,6 +139,7 @@ class Accelerator(AccelerateSurface):
         log_on_each_node: bool | None = None,
         **overrides: Any,
     ) -> None:
+        mark_accelerator_built()  # xshard launch: this job runs on xshard (whatever its settings say below)
         # Accelerate's arguments (the rest of **overrides are config fields); see accelerate_args
         compat = read_accelerate_args(overrides)
         overrides = {**compat.overrides, **overrides}
@@ -199,7 +200,6 @@ class Accelerator(AccelerateSurface):
             self._resolve_ds_config(compat, dict(source.deepspeed) if source.deepspeed is not None else None))
         self.gradient_state: GradientState = GradientState(self.job)
         self._setup_accelerate(compat)
-        mark_accelerator_built(self.rank)  # xshard launch: this job runs on xshard
 
     # ------------------------------------------------------------------ facts (answered by the JobState)
     @property

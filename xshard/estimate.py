@@ -69,6 +69,12 @@ _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16
                 "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 
 
+#: the most processes an estimate is made for: far above any cluster, far below where the shards round to 0 bytes
+MAX_NPROC = 1 << 20
+#: the largest micro-batch (sequences per device) and sequence length (tokens) an estimate is made for
+MAX_MICRO_BATCH, MAX_SEQ_LEN = 1 << 20, 1 << 24
+
+
 class EstimateError(XShardError, ValueError):
     """Bad input to the estimator (missing file, unknown model type, bad option); the message says the fix."""
 
@@ -215,7 +221,7 @@ def safetensors_shapes(path: Path) -> dict[str, list[int]]:
                 raise ValueError(f"its header length {length} is larger than the file")
             header = json.loads(f.read(length))
         shapes = {name: [int(n) for n in info["shape"]] for name, info in header.items() if name != "__metadata__"}
-    except (OSError, struct.error, ValueError, TypeError, KeyError, AttributeError) as exc:
+    except (OSError, struct.error, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
         raise EstimateError(f"{path}: not a readable .safetensors file ({exc})") from exc
     return shapes
 
@@ -223,7 +229,11 @@ def safetensors_shapes(path: Path) -> dict[str, list[int]]:
 def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except (ValueError, AttributeError, RecursionError) as exc:
+            raise EstimateError(f"{index}: not a readable shard index ({exc}); remove it to count the *.safetensors "
+                                "files, or pass the config.json alone") from exc
         files = sorted({folder / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -261,8 +271,8 @@ def load_model_size(path: str | Path) -> ModelSize:
         raise EstimateError(f"--model {path}: the folder has no config.json (needed for the layer shapes)")
     try:
         config = json.loads(config_file.read_text())
-    except ValueError as exc:
-        raise EstimateError(f"{config_file}: not valid JSON ({exc})") from exc
+    except (ValueError, RecursionError) as exc:
+        raise EstimateError(f"{config_file}: not valid JSON ({exc}); give the model's config.json") from exc
     if not isinstance(config, dict):
         raise EstimateError(f"{config_file}: expected a JSON object of model settings")
     counted = count_safetensors(path) if path.is_dir() else None
@@ -316,6 +326,11 @@ def estimate_memory(size: ModelSize, nproc: int, stage: int, dtype: str = "bf16"
     for name, value in (("nproc", nproc), ("micro-batch", micro_batch), ("seq-len", seq_len)):
         if value < 1:
             raise EstimateError(f"--{name} must be at least 1, got {value}")
+    for name, value, most, what in (("nproc", nproc, MAX_NPROC, "more devices than any job runs"),
+                                    ("micro-batch", micro_batch, MAX_MICRO_BATCH, "more sequences than a device holds"),
+                                    ("seq-len", seq_len, MAX_SEQ_LEN, "longer than any model's context")):
+        if value > most:
+            raise EstimateError(f"--{name} {value} is {what}; give at most {most:,}")
     try:
         plan = _plan(stage)
     except ValueError:

@@ -81,6 +81,9 @@ class LaunchPlan:
     argv: list[str]
     #: the script's own arguments, passed through untouched
     script_args: list[str] = field(default_factory=list)
+    #: set by ``Launcher.run`` when the job failed before any script ran (the nodes never met) and the
+    #: launcher said why: nothing is then to be said about what the scripts did
+    failed_before_scripts: bool = False
 
     def describe(self) -> str:
         """One line for the log: what is about to run."""

@@ -17,21 +17,28 @@ interface, as it must for the other nodes to reach it; keep that port inside a t
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import socket
 import sys
-import tempfile
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..world import DEFAULT_MASTER_ADDR as _LOOPBACK  # this machine's rendezvous address
 from .base import GUARD, Launcher, LaunchError, LaunchPlan, LaunchRequest, exit_code
+from .temp_dirs import job_temp_dir
 
 #: a file that outlives the ranks of a job with restarts: the ranks note there where they save
 #: checkpoints, so that restarted ranks resume from them (``xshard.checkpoint.auto_resume``)
 RESUME_FILE_ENV = "XSHARD_RESUME_FILE"
+
+
+def port_in_use(port: int | str) -> str:
+    """The one line for a rendezvous port that another program already listens on."""
+    return (f"--master_port {port}: the port is in use on this machine (another job or program listens on it); "
+            "choose another with --master_port N, or leave --master_port out on one node to pick a free one")
 
 
 def free_port() -> int:
@@ -51,7 +58,13 @@ def loopback_store(port: int = 0) -> Any:
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((_LOOPBACK, port))
+    try:
+        sock.bind((_LOOPBACK, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise LaunchError(port_in_use(port)) from None
+        raise
     sock.listen(1024)
     store = TCPStore(_LOOPBACK, sock.getsockname()[1], is_master=True, master_listen_fd=sock.fileno(),
                      multi_tenant=True, wait_for_workers=False)
@@ -128,10 +141,13 @@ class TorchrunLauncher(Launcher):
         args.training_script = str(GUARD)
         args.training_script_args = [sys.executable, "-u", *script, *plan.script_args]
         try:
-            with tempfile.TemporaryDirectory(prefix="xshard-run-") as run_dir, env_override(**{
+            with job_temp_dir("run") as run_dir, env_override(**{
                 PARENT_ENV: str(os.getpid()),
                 RESUME_FILE_ENV: os.environ.get(RESUME_FILE_ENV) or os.path.join(run_dir, "checkpoint-folder"),
             }), _single_node_on_loopback(args):
+                # torchrun's per-rank error files: in this launcher's folder, not a torchelastic_* folder of
+                # the system's temporary folder that nothing removes
+                args.log_dir = args.log_dir or os.path.join(run_dir, "torchelastic")
                 run(args)
         except ChildFailedError as exc:
             code, message = failure_report(exc.failures)
@@ -141,6 +157,11 @@ class TorchrunLauncher(Launcher):
             print(f"xshard launch: got {exc.sigval.name}; the ranks were stopped", file=sys.stderr)
             return 128 + int(exc.sigval)
         except (RendezvousError, DistError) as exc:  # the agents never met (DistError: the store timed out)
+            plan.failed_before_scripts = True
+            if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+                port = next((a.split("=", 1)[1] for a in plan.argv if a.startswith("--master-port=")), "")
+                print(f"xshard launch: error: {port_in_use(port)}", file=sys.stderr)
+                return 1
             print(f"xshard launch: the nodes could not meet ({type(exc).__name__}: {exc}); check that every node "
                   "runs `xshard launch` with the same --nnodes, --master_addr and --master_port, and that node 0 "
                   "is reachable on that port (--join_timeout sets how long to wait)", file=sys.stderr)

@@ -40,6 +40,7 @@ import copy
 import json
 import mmap
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -49,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..runtime.rank_logging import get_logger
-from .files import CheckpointError, FileWriter
+from .files import CheckpointError, CheckpointSaveError, FileWriter
 from .tensorfile import PT_METADATA, safetensors_header, tensor_bytes
 
 if TYPE_CHECKING:
@@ -209,6 +210,8 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._path: Path | None = None
+        #: the running save's ``.tmp`` folder (removed by rank 0 when the save fails)
+        self.tmp: Path | None = None
         #: seconds this rank's last background write took (files, fragment and, on rank 0, the commit)
         self.write_seconds: float | None = None
         #: CPU seconds (user and system) its thread spent on it: what it took from training on a busy core
@@ -232,6 +235,7 @@ class AsyncSaver:
         tables = write_files(writer)
         synchronize()  # the copies from the device are complete before training changes the tensors
         self._path, self._error, self.write_seconds, self.write_cpu_seconds = final, None, None, None
+        self.tmp = tmp
         self._thread = threading.Thread(target=self._write, args=(tmp, writer, tables, commit),
                                         name=f"xshard-async-save-{final.name}", daemon=False)
         self._thread.start()
@@ -243,7 +247,7 @@ class AsyncSaver:
             writer = FileWriter(tmp, self.rank)
             staged.replay(writer)
             if writer.no_space is not None:  # the writer only counted what did not fit: nothing to commit
-                raise writer.no_space
+                raise _disk_full(tmp, writer)
             fragment = tmp / f"fragment.rank{self.rank}.json"
             part = fragment.with_name(fragment.name + ".part")
             part.write_text(json.dumps({"files": writer.files, "tables": tables}, default=str))
@@ -296,20 +300,37 @@ class AsyncSaver:
                           "at the end of the script): %s", self._path, self._error)
 
 
+def _disk_full(tmp: Path, writer: FileWriter) -> CheckpointSaveError:
+    """A full disk during the background write, with the bytes this rank's files need and the bytes free."""
+    written = sum(entry["bytes"] for entry in writer.files.values())  # freed again when the save is removed
+    try:
+        free = f"{shutil.disk_usage(tmp if tmp.exists() else tmp.parent).free + written:,}"
+    except OSError:
+        free = "unknown"
+    reason = writer.no_space.strerror if writer.no_space is not None else None
+    error = CheckpointSaveError(f"the disk is full ({reason or 'no space left'}: this rank's files need "
+                                f"{writer.bytes_needed:,} bytes, {free} are free in {tmp.parent}); free some space or "
+                                "save to another disk")
+    error.__cause__ = writer.no_space
+    return error
+
+
 def wait(job: JobState, count_failed: Callable[[bool], int]) -> None:
     """Wait for the job's background write, if any; raise on every rank if any rank's write failed.
 
     ``count_failed(flag)`` tells how many ranks pass True (a collective every rank calls).
     """
     saver = job.async_saver
-    if saver is None or not saver.pending:
+    if not isinstance(saver, AsyncSaver) or not saver.pending:
         return
     path, error = saver.finish()
     own = error is not None and not isinstance(error, _OtherRanksFailed)
     failed = count_failed(own)
+    if (failed or error is not None) and saver.rank == 0 and saver.tmp is not None:
+        shutil.rmtree(saver.tmp, ignore_errors=True)  # every rank's thread has ended: nothing writes there now
     if own:
         raise CheckpointError(f"the background write of {path} failed: {error}; the previous checkpoint is "
-                              "intact") from error
+                              "intact and nothing of this save was kept") from error
     if failed or error is not None:
         raise CheckpointError(f"{failed} other rank(s) failed to write {path} in the background (their error "
                               "is in their log); it was not committed and the previous checkpoint is intact")

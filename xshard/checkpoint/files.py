@@ -206,6 +206,9 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path} is corrupt ({exc}); load another checkpoint") from exc
+    except RecursionError as exc:  # a crafted manifest nested deeper than Python's stack
+        raise CheckpointError(f"{path} is not a manifest (its JSON is nested too deeply to read); load another "
+                              "checkpoint") from exc
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version not in READABLE_VERSIONS:
         raise CheckpointError(f"{path}: key 'format_version' is {version!r}, this xshard reads "
@@ -262,7 +265,7 @@ def _listed(folder: Path) -> set[str]:
         try:
             data = json.loads((folder / source).read_text())
             listed = data.get(key, []) if isinstance(data, dict) else []
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue
         names.update(n for n in listed if isinstance(n, str) and is_plain_name(n) and CHECKPOINT_FILE.match(n))
         if source == MANIFEST:
@@ -392,8 +395,8 @@ def _order(folder: Path) -> tuple[int, int, float]:
     # error is named when the load falls back to the one before it.
     try:
         step = json.loads((folder / MANIFEST).read_text()).get("step", -1)
-        step = step if isinstance(step, int) and not isinstance(step, bool) else sys.maxsize
-    except (OSError, ValueError, AttributeError):
+        step = step if isinstance(step, int) and not isinstance(step, bool) and step <= sys.maxsize else sys.maxsize
+    except (OSError, ValueError, AttributeError, RecursionError):
         step = sys.maxsize
     number = _NUMBER.search(folder.name.removesuffix(OLD_SUFFIX))
     try:

@@ -73,10 +73,19 @@ def _torch_load(path: Path, mmap: bool = False) -> Any:
         raise CheckpointError(f"{path} cannot be read safely ({exc})") from exc
 
 
+def _state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A model's state dict from a ``.bin`` file: names to tensors, or a CheckpointError naming the file."""
+    weights = _torch_load(path, mmap=True)
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise CheckpointError(f"{path} holds a {type(weights).__name__} that is not a model's state dict (names to "
+                              "tensors); load a checkpoint that Accelerate's save_state wrote")
+    return weights
+
+
 def _model_source(folder: Path, i: int) -> Any:
     full = folder / _indexed(FSDP_MODEL, i, ".bin")
     if full.is_file():
-        return DictSource(folder, _torch_load(full, mmap=True))
+        return DictSource(folder, _state_dict(full), full)
     sharded = folder / f"{FSDP_MODEL}_{i}"
     if sharded.is_dir():
         return DcpSource(sharded, ("model",))
@@ -85,7 +94,7 @@ def _model_source(folder: Path, i: int) -> Any:
         return SafetensorsSource(folder, safe)
     plain = folder / _indexed("pytorch_model", i, ".bin")
     if plain.is_file():
-        return DictSource(folder, _torch_load(plain, mmap=True))
+        return DictSource(folder, _state_dict(plain), plain)
     local = sorted(folder.glob(f"{_indexed(FSDP_MODEL, i)}_rank*.bin"))
     if local:
         raise CheckpointError(f"{local[0]}: FSDP LOCAL_STATE_DICT files hold FSDP's flattened per-rank shards, "
@@ -95,31 +104,46 @@ def _model_source(folder: Path, i: int) -> Any:
                           f"{_indexed('pytorch_model', i, '.bin')})")
 
 
+def _full_optimizer(folder: Path, full: Path, state_dict: Any,
+                    keys: list[list[str]]) -> tuple[DictSource, dict[str, Any]]:
+    """An ``optimizer.bin`` state dict (keyed by parameter name or by position) as a source and a record."""
+    names = [k for group in keys for k in group]
+    saved_params = [p for g in state_dict["param_groups"] for p in g["params"]]
+    by_position = all(isinstance(p, int) for p in saved_params)  # a plain optimizer.state_dict()
+    if by_position and len(saved_params) != len(names):
+        raise CheckpointMismatchError(f"{full}: the optimizer has {len(saved_params)} parameters in the "
+                                      f"checkpoint, {len(names)} here; build it with the same parameters")
+    name_of = dict(zip(saved_params, names, strict=False)) if by_position else {p: p for p in saved_params}
+    tensors: dict[str, torch.Tensor] = {}
+    extra: dict[str, dict[str, Any]] = {}
+    for param, values in state_dict["state"].items():
+        if param not in name_of:
+            raise CheckpointMismatchError(f"{full}: key 'state' holds parameter {param!r}, which is in none of the "
+                                          "checkpoint's param groups; load a checkpoint of this optimizer")
+        for state_name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{name_of[param]}/{state_name}"] = value
+            else:
+                extra.setdefault(name_of[param], {})[state_name] = value
+    groups = state_dict["param_groups"]
+    record = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
+              "param_keys": [[name_of[p] for p in g["params"]] for g in groups], "extra": extra}
+    return DictSource(folder, tensors, full), record
+
+
 def _optimizer_source(folder: Path, i: int, keys: list[list[str]]) -> tuple[Any, dict[str, Any]]:
     """(source of ``<param>/<state>`` tensors, record of param groups) of optimizer ``i``."""
     full = folder / _indexed("optimizer", i, ".bin")
     sharded = folder / f"optimizer_{i}"
     if full.is_file():
         state_dict = _torch_load(full, mmap=True)
-        names = [k for group in keys for k in group]
-        saved_params = [p for g in state_dict["param_groups"] for p in g["params"]]
-        by_position = all(isinstance(p, int) for p in saved_params)  # a plain optimizer.state_dict()
-        if by_position and len(saved_params) != len(names):
-            raise CheckpointMismatchError(f"{full}: the optimizer has {len(saved_params)} parameters in the "
-                                          f"checkpoint, {len(names)} here; build it with the same parameters")
-        name_of = dict(zip(saved_params, names, strict=False)) if by_position else {p: p for p in saved_params}
-        tensors: dict[str, torch.Tensor] = {}
-        extra: dict[str, dict[str, Any]] = {}
-        for param, values in state_dict["state"].items():
-            for state_name, value in values.items():
-                if isinstance(value, torch.Tensor):
-                    tensors[f"{name_of[param]}/{state_name}"] = value
-                else:
-                    extra.setdefault(name_of[param], {})[state_name] = value
-        groups = state_dict["param_groups"]
-        record = {"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
-                  "param_keys": [[name_of[p] for p in g["params"]] for g in groups], "extra": extra}
-        return DictSource(folder, tensors), record
+        try:
+            return _full_optimizer(folder, full, state_dict, keys)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointError(f"{full} is not an optimizer state dict as Accelerate saves it ({type(exc).__name__}: "
+                                  f"{exc}); load a checkpoint that Accelerate's save_state wrote") from exc
     if sharded.is_dir():
         source = DcpSource(sharded, ("optimizer", "state"))
         groups_source = DcpSource(sharded, ("optimizer", "param_groups"))
@@ -143,11 +167,16 @@ def _rng(folder: Path, rank: int) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     states = _torch_load(path)
-    out: dict[str, Any] = {"torch": states["torch_manual_seed"], "python": states["random_state"],
-                           "accelerate_step": int(states.get("step", 0))}
-    if "numpy_random_seed" in states:
-        kind, keys, pos, has_gauss, cached = states["numpy_random_seed"]
-        out["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
+    try:
+        out: dict[str, Any] = {"torch": states["torch_manual_seed"], "python": states["random_state"],
+                               "accelerate_step": int(states.get("step", 0))}
+        if "numpy_random_seed" in states:
+            kind, keys, pos, has_gauss, cached = states["numpy_random_seed"]
+            out["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise CheckpointError(f"{path} does not hold Accelerate's RNG states ({type(exc).__name__}: {exc}); remove "
+                              "it to resume without them, or load a checkpoint that Accelerate's save_state "
+                              "wrote") from exc
     return out
 
 

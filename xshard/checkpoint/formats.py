@@ -217,6 +217,9 @@ class TensorSource(Protocol):
     def info(self, key: str) -> dict[str, Any]:
         """What the source knows about ``key`` beyond its shape (``like_param``, per-rank fields)."""
 
+    def dtype(self, key: str) -> torch.dtype | None:
+        """The stored dtype of ``key`` (None when the source cannot tell)."""
+
     def rows(self, key: str, start: int, stop: int, where: str) -> torch.Tensor:
         """Rows ``[start, stop)`` of ``key``, shape (stop - start, *rest), on the CPU."""
 
@@ -300,6 +303,9 @@ class TableSource:
     def info(self, key: str) -> dict[str, Any]:
         return self._entry(key)
 
+    def dtype(self, key: str) -> torch.dtype | None:
+        return _DTYPES.get(str(self._entry(key).get("dtype")))  # an unknown name is refused when it is read
+
     def rows(self, key: str, start: int, stop: int, where: str) -> torch.Tensor:
         return self.reader.rows(self.table, key, start, stop, where)
 
@@ -325,8 +331,14 @@ def read_model_rows(source: TensorSource, model: Any, where: str) -> dict[str, t
         shape = source.shape(stored)
         if shape != tuple(piece.shape):
             raise CheckpointMismatchError(
-                f"{source.folder}: {where} key {key!r} has shape {shape} in the checkpoint, the model's is "
+                f"{source_file(source)}: {where} key {key!r} has shape {shape} in the checkpoint, the model's is "
                 f"{tuple(piece.shape)}; load a checkpoint of this model")
+        dtype = source.dtype(stored)
+        if dtype is not None and _kind(dtype) != _kind(piece.tensor.dtype):
+            raise CheckpointMismatchError(
+                f"{source_file(source)}: {where} key {key!r} is {dtype} in the checkpoint, the model's is "
+                f"{piece.tensor.dtype} ({_kind(dtype)} values for a {_kind(piece.tensor.dtype)} tensor); load a "
+                "checkpoint of this model")
         out[key] = source.rows(stored, piece.start, piece.stop, where)
     return out
 
@@ -376,10 +388,46 @@ def read_optimizer_rows(source: TensorSource, record: dict[str, Any], optimizer:
     return {"state": state, "param_groups": groups}
 
 
+#: optimizer state that every optimizer keeping it (torch.optim's, transformers', Accelerate's) keeps in
+#: the shape of its parameter: a foreign checkpoint's value of another shape belongs to another model
+_LIKE_PARAM_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
+                               "acc_delta", "sum", "grad_avg", "ax", "prev", "step_size", "exp_inf"})
+
+
+def source_file(source: TensorSource) -> Path:
+    """The file a source's tensors came from (its folder when they are spread over several files)."""
+    return Path(getattr(source, "file", source.folder))
+
+
+def _kind(dtype: torch.dtype) -> str:
+    return "complex" if dtype.is_complex else "floating-point" if dtype.is_floating_point else "integer or bool"
+
+
+def _check_foreign_state(source: TensorSource, entry_key: str, name: str, piece: Any, where: str) -> None:
+    """Another tool's optimizer state checked against its parameter before anything is loaded: a state that
+    is shaped like its parameter in every optimizer must have that shape, and a float parameter's state
+    must be floating-point (``step`` aside)."""
+    shape, param_key = source.shape(entry_key), entry_key.rsplit("/", 1)[0]
+    fix = "load the optimizer state saved with this model and optimizer"
+    if name in _LIKE_PARAM_STATE and shape != tuple(piece.shape):
+        raise CheckpointMismatchError(
+            f"{source_file(source)}: {where} key {entry_key!r} has shape {shape}, but the parameter {param_key!r} "
+            f"has shape {tuple(piece.shape)} (an {name!r} is always shaped like its parameter); {fix}")
+    dtype = getattr(source, "dtype", lambda key: None)(entry_key)
+    param_dtype = piece.tensor.dtype
+    if (dtype is not None and name != "step" and name in _LIKE_PARAM_STATE
+            and _kind(dtype) != _kind(param_dtype)):
+        raise CheckpointMismatchError(
+            f"{source_file(source)}: {where} key {entry_key!r} is {dtype}, but the parameter {param_key!r} is "
+            f"{param_dtype} ({_kind(dtype)} state for a {_kind(param_dtype)} parameter); {fix}")
+
+
 def _optimizer_value(source: TensorSource, entry_key: str, name: str, piece: Any, where: str, rank: int,
                      world_size: int) -> torch.Tensor | None:
     """One state tensor for this rank: its rows, the whole (replicated) tensor, or its own per-rank one."""
     shape, info = source.shape(entry_key), source.info(entry_key)
+    if "like_param" not in info and "world_size" not in info:  # another tool's checkpoint
+        _check_foreign_state(source, entry_key, name, piece, where)
     per_rank = _PER_RANK_KEY.match(name)
     if per_rank is not None:
         if int(per_rank.group(2)) != rank:

@@ -23,8 +23,25 @@ def is_plain_name(name: str) -> bool:
             and not os.path.isabs(name) and Path(name).name == name)
 
 
+#: the largest count a manifest may hold: what a 64-bit signed integer (a tensor, a C counter) holds
+MAX_COUNT = 2**63 - 1
+
+
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+
+
+def _table_entry(entry: Any) -> bool:
+    """A row-table entry as a save writes it: a tied key's ``same_as``, or shape, dtype and row pieces."""
+    if not isinstance(entry, dict):
+        return False
+    if "same_as" in entry:
+        return isinstance(entry["same_as"], str)
+    shape, pieces = entry.get("shape"), entry.get("pieces")
+    return (isinstance(shape, list) and all(_count(n) for n in shape) and isinstance(entry.get("dtype"), str)
+            and isinstance(pieces, list)
+            and all(isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) and _count(p[1]) and _count(p[2])
+                    and p[1] <= p[2] for p in pieces))
 
 
 def check_manifest(path: Path, manifest: Any, error: type[Exception]) -> None:
@@ -43,8 +60,15 @@ def check_manifest(path: Path, manifest: Any, error: type[Exception]) -> None:
                         "digits>} (or 'sha256': <64 hex digits> before format 4); load another checkpoint")
     for key in ("step", "micro_step", "world_size", "models", "optimizers", "schedulers", "data_loaders"):
         if key in manifest and not _count(manifest[key]):
-            raise error(f"{path}: key {key!r} is {manifest[key]!r}, expected a whole number >= 0; the manifest was "
-                        "edited: load another checkpoint")
+            raise error(f"{path}: key {key!r} is {manifest[key]!r}, expected a whole number from 0 to {MAX_COUNT}; "
+                        "the manifest was edited: load another checkpoint")
+    if manifest.get("world_size", 1) == 0:
+        raise error(f"{path}: key 'world_size' is 0, expected the number of processes that saved (at least 1); the "
+                    "manifest was edited: load another checkpoint")
+    stage = manifest.get("stage")
+    if stage is not None and (not _count(stage) or stage > 3):
+        raise error(f"{path}: key 'stage' is {stage!r}, expected 0, 1, 2 or 3; the manifest was edited: load another "
+                    "checkpoint")
     for key in ("tables", "config"):
         if key in manifest and not isinstance(manifest[key], dict):
             raise error(f"{path}: key {key!r} is {manifest[key]!r}, expected a mapping; load another checkpoint")
@@ -52,3 +76,8 @@ def check_manifest(path: Path, manifest: Any, error: type[Exception]) -> None:
     for table_name, table in tables.items():
         if not isinstance(table, dict):
             raise error(f"{path}: tables[{table_name!r}] is {table!r}, expected a mapping; load another checkpoint")
+        for key, entry in table.items():
+            if not _table_entry(entry):
+                raise error(f"{path}: tables[{table_name!r}][{key!r}] is {str(entry)[:200]}, expected "
+                            "{'shape': [<sizes>], 'dtype': <name>, 'pieces': [[<file>, <first row>, <end row>], ...]} "
+                            "or {'same_as': <key>}; the manifest was edited: load another checkpoint")

@@ -57,7 +57,7 @@ def _job_ids() -> dict[str, str | None]:
 def _read(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
 

@@ -232,6 +232,19 @@ def save_state(job: JobState, directory: str | os.PathLike, state_dict_type: str
     return final
 
 
+def cannot_write(final: Path, exc: OSError) -> CheckpointSaveError:
+    """One line for an error of the operating system while a save starts: the folder and the fix."""
+    where = Path(exc.filename).parent if exc.filename else final.parent
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = f"save to a folder this process may write to, or make {where} writable"
+    else:
+        fix = "check the folder, or save somewhere else"
+    error = CheckpointSaveError(f"cannot save the checkpoint {final}: {where}: {exc.strerror or exc}; {fix}; nothing "
+                                "was written")
+    error.__cause__ = exc
+    return error
+
+
 def _check_destination_everywhere(job: JobState, final: Path) -> None:
     """Every rank checks the destination (``check_destination``), then all learn whether any refused it.
 
@@ -247,6 +260,8 @@ def _check_destination_everywhere(job: JobState, final: Path) -> None:
         check_destination(final)
     except CheckpointSaveError as exc:
         refusal = exc
+    except OSError as exc:  # a read-only folder, no permission
+        refusal = cannot_write(final, exc)
     (in_use, refused) = _ranks_where(job, isinstance(refusal, output_lock.OutputFolderInUseError),
                                      refusal is not None)
     if refusal is not None:
@@ -341,6 +356,8 @@ def _agree_on_save(job: JobState, final: Path, tmp: Path, error: BaseException |
             f"cannot save the checkpoint {final}: the disk is full (it needs {needed:,} bytes, {free:,} are free "
             f"in {where}); free some space or save to another disk. Nothing of this save was kept; earlier "
             "checkpoints are intact") from writer.no_space
+    if isinstance(error, OSError) and not isinstance(error, CheckpointSaveError):
+        raise cannot_write(final, error) from error
     if error is not None:
         raise error
     raise CheckpointSaveError(f"cannot save the checkpoint {final}: {failed} other rank(s) failed to write their "

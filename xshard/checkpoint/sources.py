@@ -20,18 +20,29 @@ import torch
 from .dcp_metadata import read_metadata, safe_reader
 from .files import CheckpointError
 
+#: safetensors' dtype names (``get_dtype()``) of the dtypes a checkpoint holds
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
 
 class DictSource:
     """Full tensors of a state dict (memory-mapped from a ``.bin`` file), read by rows."""
 
-    def __init__(self, folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, folder: Path, tensors: dict[str, torch.Tensor], file: Path | None = None) -> None:
         self.folder, self.tensors = folder, tensors
+        #: the file the tensors came from, named in errors (the folder when there is no one file)
+        self.file = file if file is not None else folder
 
     def keys(self) -> list[str]:
         return list(self.tensors)
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.tensors[key].shape)
+
+    def dtype(self, key: str) -> torch.dtype | None:
+        """The stored dtype of ``key`` (None when the source cannot tell)."""
+        return self.tensors[key].dtype
 
     def info(self, key: str) -> dict[str, Any]:
         return {}
@@ -47,14 +58,20 @@ class SafetensorsSource(DictSource):
     def __init__(self, folder: Path, file: Path) -> None:
         from safetensors import safe_open
 
-        self.folder, self.handle = folder, safe_open(str(file), framework="pt", device="cpu")
-        self.file = file
+        try:
+            self.handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as exc:
+            raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); save it again") from exc
+        self.folder, self.file = folder, file
 
     def keys(self) -> list[str]:
         return list(self.handle.keys())
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.handle.get_slice(key).get_shape())
+
+    def dtype(self, key: str) -> torch.dtype | None:
+        return _SAFETENSORS_DTYPES.get(self.handle.get_slice(key).get_dtype())
 
     def rows(self, key: str, start: int, stop: int, where: str) -> torch.Tensor:
         if not self.shape(key):
@@ -69,7 +86,7 @@ class DcpSource(DictSource):
     def __init__(self, folder: Path, prefix: tuple[str, ...]) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        self.folder = folder
+        self.folder = self.file = folder
         try:
             self.metadata = read_metadata(folder)
         except Exception as exc:
@@ -93,6 +110,9 @@ class DcpSource(DictSource):
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.metadata.state_dict_metadata[self.by_name[key]].size)
 
+    def dtype(self, key: str) -> torch.dtype | None:
+        return self.metadata.state_dict_metadata[self.by_name[key]].properties.dtype
+
     def rows(self, key: str, start: int, stop: int, where: str) -> torch.Tensor:
         out = _dcp_read(self.folder, {self.by_name[key]: (start, stop)}, [])
         value = out[self.by_name[key]]
@@ -105,7 +125,7 @@ class DcpSource(DictSource):
 
 def _dcp_read(folder: Path, rows: dict[str, tuple[int, int]], byte_keys: list[str]) -> dict[str, Any]:
     """Rows ``[start, stop)`` of DCP tensors and whole byte items, read in this process alone."""
-    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint import CheckpointException, load
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -156,6 +176,28 @@ def _dcp_read(folder: Path, rows: dict[str, tuple[int, int]], byte_keys: list[st
         with warnings.catch_warnings():  # this rank reads alone on purpose: no_dist
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             load({}, storage_reader=safe_reader(folder), planner=planner, no_dist=True)
-    except Exception as exc:
-        raise CheckpointError(f"{folder}: cannot read {sorted(rows) or sorted(byte_keys)} ({exc})") from exc
+    except (Exception, CheckpointException) as exc:  # DCP's own error is a BaseException
+        keys = sorted(rows) or sorted(byte_keys)
+        raise CheckpointError(f"{_data_files(folder, keys)}: cannot read {keys} ({_reason(exc)}); the folder is "
+                              "damaged or incomplete: load another checkpoint, or save this one again") from exc
     return planner.out
+
+
+def _data_files(folder: Path, keys: list[str]) -> str:
+    """The data files of a DCP folder that hold ``keys`` (the folder itself when the metadata cannot say)."""
+    try:
+        storage = read_metadata(folder).storage_data or {}
+    except Exception:
+        return str(folder)
+    names = sorted({info.relative_path for index, info in storage.items() if getattr(index, "fqn", None) in keys})
+    return ", ".join(str(folder / name) for name in names) or str(folder)
+
+
+def _reason(exc: BaseException) -> str:
+    """One line for a failure of DCP's reader: the first rank's own exception, not DCP's wrapper and its
+    tracebacks."""
+    failures = getattr(exc, "failures", None)  # torch's CheckpointException: {rank: (exception, traceback)}
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        exc = inner[0] if isinstance(inner, tuple) else inner
+    return " ".join(f"{type(exc).__name__}: {exc}".split())

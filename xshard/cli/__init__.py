@@ -15,6 +15,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 COMMANDS: dict[str, str] = {
     "env": "show the backend xshard picks and why, devices, versions (--check runs a self-test)",
@@ -29,8 +30,15 @@ def _available() -> dict[str, str]:
     return {n: h for n, h in COMMANDS.items() if importlib.util.find_spec(f"xshard.cli.{n}") is not None}
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line naming the fix (not the usage block, then the error)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="xshard", description="xshard: one training script, any accelerator.")
+    parser = OneLineParser(prog="xshard", description="xshard: one training script, any accelerator.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in _available().items():
         module = importlib.import_module(f"xshard.cli.{name}")

@@ -101,6 +101,10 @@ def _safe(fn: Callable[[], Any]) -> Any:
 
 
 
+#: the longest --timeout of the checks (a day): a longer one is a typo, and timedelta overflows on huge ones
+MAX_TIMEOUT = 86400
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `xshard env`."""
     from xshard.backends import ENV_VAR, NAMES
@@ -124,6 +128,9 @@ def run(args: argparse.Namespace) -> int:
     from xshard.backends import apply_visible_devices, select
     from xshard.cli.env_check import run_checks
 
+    if not (0 < args.timeout <= MAX_TIMEOUT):  # also NaN
+        raise XShardError(f"--timeout {args.timeout:g}: give the seconds the checks' process group waits, more than 0 "
+                          f"and at most {MAX_TIMEOUT:,} (default 60)")
     selection = select(args.backend)
     applied = apply_visible_devices(selection.cls, args.devices)
     backend = selection.cls()

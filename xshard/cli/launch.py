@@ -56,6 +56,10 @@ MIXED_PRECISION_ENV = "XSHARD_MIXED_PRECISION"
 TRAINER_ENV = "XSHARD_TRAINER"  # xshard.trainer.switch.ENV_VAR (not imported: that imports transformers)
 #: the module each process runs the program through under --trainer
 TRAINER_RUNNER = "xshard.trainer.patch"
+#: raises the bound on processes per node (``max_nproc``), for a node that really runs more
+MAX_NPROC_ENV = "XSHARD_MAX_NPROC"
+#: processes per CPU core that a CPU job may start on one node by default
+CPU_PROCESSES_PER_CORE = 8
 
 __all__ = ["LaunchError", "LaunchOptions", "LaunchPlan", "launch", "launch_options", "plan_launch", "run_plan"]
 
@@ -116,6 +120,8 @@ def plan_launch(opts: LaunchOptions, env: Mapping[str, str] | None = None) -> La
         raise LaunchError(f"--nproc {nproc}: give at least 1 process per node")
     if n_devices is not None and nproc is not None and nproc > n_devices:
         raise LaunchError(f"--nproc {nproc} is more than the {n_devices} device(s) in --devices")
+    if nproc is not None and opts.nproc is not None:
+        _check_max_nproc(nproc, backend, env)
     nnodes, node_rank, master_addr = opts.nnodes, opts.node_rank, opts.master_addr
     assert nnodes is not None and node_rank is not None and master_addr is not None  # _with_config_defaults
     _check_counts(opts)
@@ -145,6 +151,36 @@ def plan_launch(opts: LaunchOptions, env: Mapping[str, str] | None = None) -> La
 def trainer_switch(opts: LaunchOptions, env: Mapping[str, str]) -> bool:
     """Is the switch on: ``--trainer``, or ``XSHARD_TRAINER`` set to 1/true/yes in the launcher's environment?"""
     return opts.trainer or env.get(TRAINER_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def max_nproc(backend: Backend, env: Mapping[str, str]) -> tuple[int, str]:
+    """The most processes one node may start, and why: ``XSHARD_MAX_NPROC`` when set, else one per device
+    of an accelerator backend, else ``CPU_PROCESSES_PER_CORE`` per CPU core this process may run on."""
+    text = env.get(MAX_NPROC_ENV)
+    if text is not None:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise LaunchError(f"{MAX_NPROC_ENV}={text!r}: give the most processes one node may start, a whole "
+                              "number of at least 1")
+        return value, f"{MAX_NPROC_ENV}={value}"
+    if backend.device_type != "cpu":
+        count = backend.host_device_count()
+        if count:
+            return count, f"the {backend.name} backend sees {count} device(s) on this node, one process each"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return (CPU_PROCESSES_PER_CORE * cores,
+            f"{CPU_PROCESSES_PER_CORE} processes per CPU core, {cores} core(s) on this node")
+
+
+def _check_max_nproc(nproc: int, backend: Backend, env: Mapping[str, str]) -> None:
+    """A process count no node can run (``--nproc 100000``) is refused before anything starts."""
+    limit, why = max_nproc(backend, env)
+    if nproc > limit:
+        raise LaunchError(f"--nproc {nproc} is more processes than this node runs (at most {limit}: {why}); give "
+                          f"--nproc {limit} or fewer, or set {MAX_NPROC_ENV}={nproc} if this node really runs them")
 
 
 def _check_counts(opts: LaunchOptions) -> None:
@@ -257,18 +293,20 @@ def run_plan(plan: LaunchPlan) -> int:
 
 def launch(opts: LaunchOptions) -> int:
     """Plan and run: the whole of `xshard launch`."""
-    import tempfile
-
+    from xshard.backends.launchers.temp_dirs import job_temp_dir, sweep_stale
     from xshard.runtime.launch_marker import MARKER_ENV, accelerator_was_built
     from xshard.runtime.rank_logging import get_logger, setup_logging
 
     setup_logging()
     plan = plan_launch(opts)
-    get_logger("xshard.launch").info("launching: %s", plan.describe())
-    with tempfile.TemporaryDirectory(prefix="xshard-launch-") as markers:
+    log = get_logger("xshard.launch")
+    for stale in sweep_stale():  # what launchers killed with SIGKILL left behind
+        log.info("removed %s, left by a launcher that was killed", stale)
+    log.info("launching: %s", plan.describe())
+    with job_temp_dir("launch") as markers:
         plan.env[MARKER_ENV] = markers
         code = run_plan(plan)
-        if not accelerator_was_built(markers):
+        if not accelerator_was_built(markers) and not plan.failed_before_scripts:
             fix = program_fix(opts.script, opts.module, switch=trainer_switch(opts, os.environ))
             print(not_on_xshard_message(plan.env, os.environ, failed=code != 0, fix=fix), file=sys.stderr)
     return code

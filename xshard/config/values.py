@@ -80,6 +80,10 @@ def _number(where: str, value: Any, expected: str) -> float:
     return number
 
 
+#: the largest integer a setting may hold: what a 64-bit signed integer holds
+MAX_INT = 2**63 - 1
+
+
 def parse_int(where: str, value: Any, minimum: int | None = None) -> int:
     """An integer; JSON's ``2e8`` and strings like "8" are accepted when integral."""
     expected = "an integer" if minimum is None else f"an integer >= {minimum}"
@@ -92,6 +96,8 @@ def parse_int(where: str, value: Any, minimum: int | None = None) -> int:
         number = int(real)
     if minimum is not None and number < minimum:
         raise fail(where, value, expected)
+    if number > MAX_INT:  # no counter holds it (a tensor, a C integer): a typo
+        raise fail(where, value, f"{expected} and at most {MAX_INT}")
     return number
 
 

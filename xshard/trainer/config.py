@@ -62,6 +62,9 @@ def sharding_config(args: Any, env: Mapping[str, str] | None = None) -> XShardCo
     in one ``XShardConfigWarning``; arguments that would change the results silently raise
     ``XShardConfigError`` naming the argument and the fix.
     """
+    from xshard.runtime.launch_marker import mark_accelerator_built
+
+    mark_accelerator_built()  # xshard launch: this job runs on xshard, whatever the settings read below say
     env = os.environ if env is None else env
     cached = getattr(args, "_xshard_config_cache", None)
     key = _cache_key(args)
