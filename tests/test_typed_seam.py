@@ -33,7 +33,9 @@ def _mentions_any(hint: object) -> bool:
 
 
 def _any_fields(cls: type) -> list[str]:
-    hints = typing.get_type_hints(cls)
+    from xshard.sharding import ShardedModel  # named under TYPE_CHECKING in the seam (its import is heavy)
+
+    hints = typing.get_type_hints(cls, localns={"ShardedModel": ShardedModel})
     return [f.name for f in dataclasses.fields(cls) if _mentions_any(hints[f.name])]
 
 

@@ -70,7 +70,6 @@ from .runtime.prepared import PreparedOptimizer, PreparedScheduler
 from .runtime.rank_logging import get_logger, progress, setup_logging, use_barrier
 from .runtime.rebind import StaleParameterGuard, rebind_optimizer
 from .runtime.throughput import ModelFlops, PeakFlops, counting_hook, peak_flops
-from .sharding import ShardedModel, shard_model
 
 if TYPE_CHECKING:
     from .config import XShardConfig
@@ -387,6 +386,11 @@ class Accelerator(AccelerateSurface):
         """
         if any(model is m for m in self.job.models):
             return model
+        from .sharding import (  # imports torch._dynamo: at the first model, not at import
+            ShardedModel,
+            shard_model,
+        )
+
         sharded = model if isinstance(model, ShardedModel) else shard_model(
             model, self.backend, self.sharding_options(model))
         self.job.models.append(sharded)

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..runtime.throughput import throughput_values
-from ..sharding import ShardedModel
 from . import metrics, saving, tracking
 from .accelerator_state import DistributedType
 
 if TYPE_CHECKING:
+    from ..sharding import ShardedModel
     from .accelerator_core import AcceleratorCore
 else:  # at run time the surface is a plain mixin: the core members come from xshard.Accelerator
     AcceleratorCore = object

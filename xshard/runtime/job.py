@@ -19,16 +19,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ..backends import Backend
 from ..config import XShardConfig
-from ..sharding import ShardedModel
 from .data import ShardedDataLoader
 from .mixed_precision import Precision
 from .throughput import ThroughputMeter
+
+if TYPE_CHECKING:
+    # the model's module imports torch._dynamo (about a second, and its cache folder): named for the type checker only
+    from ..sharding import ShardedModel
 
 
 class Stateful(Protocol):

@@ -31,9 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..sharding import ShardedModel
 from .job import JobOptimizer, JobState
 from .mixed_precision import GradientClip
+
+if TYPE_CHECKING:
+    # the model's module imports torch._dynamo (about a second, and its cache folder): named for the type checker only
+    from ..sharding import ShardedModel
 
 
 class PreparedOptimizer(torch.optim.Optimizer):
