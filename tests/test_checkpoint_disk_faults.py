@@ -5,13 +5,9 @@ and the fix instead of a raw ``OSError``. The earlier checkpoint and the user's 
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from support.private_tmpfs import output_lines, run_on_private_tmpfs
 
 SCRIPT = r'''
 import os, sys, torch, xshard
@@ -44,20 +40,9 @@ if sys.argv[2] == "full":
 
 def _in_private_tmpfs(tmp_path: Path, options: str, mode: str) -> dict[str, str]:
     """Run the script on a tmpfs mounted with ``options`` in a private mount namespace; its output lines."""
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare to mount a private tmpfs")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    script = tmp_path / "save.py"
-    script.write_text(SCRIPT)
-    shell = f"mount -t tmpfs -o {options} tmpfs {mount} && {sys.executable} {script} {mount} {mode}"
-    proc = subprocess.run(["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True, timeout=200,
-                          env={**os.environ, "TMPDIR": str(tmp_path)})
-    if proc.returncode != 0 and "mount" in proc.stderr and "LEFT:" not in proc.stdout:
-        pytest.skip(f"this machine does not allow a private tmpfs: {proc.stderr.strip()[-200:]}")
+    proc, mount = run_on_private_tmpfs(tmp_path, SCRIPT, options, mode, timeout=200, env={"TMPDIR": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {**dict(line.split(":", 1) for line in proc.stdout.splitlines() if ":" in line), "_mount": str(mount),
-            "_stdout": proc.stdout}
+    return {**output_lines(proc), "_mount": str(mount), "_stdout": proc.stdout}
 
 
 def test_an_async_save_on_a_full_disk_removes_its_tmp_folder_and_gives_the_byte_counts(tmp_path):

@@ -7,13 +7,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from support.private_tmpfs import output_lines, run_on_private_tmpfs
 from test_checkpoint import _job, _plain, _steps
 
 from xshard.checkpoint import files as ckpt_files
@@ -287,22 +287,11 @@ print("LOADED")
 
 
 def test_a_full_disk_is_one_line_with_bytes_needed_and_free_and_leaves_nothing(tmp_path):
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare to mount a small tmpfs")
-    mount = tmp_path / "small"
-    mount.mkdir()
-    script = tmp_path / "fill.py"
-    script.write_text(_DISK_FULL_SCRIPT)
     tests = str(Path(__file__).parent)
-    # a private mount namespace (as an unprivileged user where the kernel allows it): a 1000 KB tmpfs (one checkpoint takes about 670 KB)
-    shell = (f"mount -t tmpfs -o size=1000k tmpfs {mount} && "
-             f"{sys.executable} {script} {mount} {tests}")
-    proc = __import__("subprocess").run(["unshare", "-rm", "sh", "-c", shell], capture_output=True, text=True,
-                                        timeout=270, env={**os.environ, "PYTHONPATH": tests})
-    if "mount" in proc.stderr and proc.returncode != 0 and "ERROR:" not in proc.stdout:
-        pytest.skip(f"this machine does not allow a private tmpfs: {proc.stderr.strip()[-200:]}")
+    # a 1000 KB tmpfs (one checkpoint takes about 670 KB)
+    proc, mount = run_on_private_tmpfs(tmp_path, _DISK_FULL_SCRIPT, "size=1000k", tests, env={"PYTHONPATH": tests})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = dict(line.split(":", 1) for line in proc.stdout.splitlines() if ":" in line)
+    lines = output_lines(proc)
     error = lines["ERROR"]
     assert "\n" not in error and str(mount / "checkpoint-2") in error
     assert "the disk is full" in error and "bytes, " in error and "are free in" in error
