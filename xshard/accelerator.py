@@ -58,9 +58,8 @@ from .accelerate_compat.accelerator_state import (
 from .accelerate_compat.accelerator_surface import AccelerateSurface
 from .backends import Backend, select
 from .checkpoint import auto_resume
-from .config import ConfigKind, ConfigSource, read_source
 from .config.accelerate_args import AccelerateSettings, read_accelerate_args
-from .config.precision_names import MIXED_PRECISION
+from .config.accelerate_config import load_config, read_config_source, resolved_ds_config
 from .runtime import grads
 from .runtime.data import ShardedDataLoader, shard_data_loader
 from .runtime.job import JobState
@@ -75,30 +74,6 @@ if TYPE_CHECKING:
     from .config import XShardConfig
 
 log = get_logger("xshard.accelerator")
-
-def _load_config(source: ConfigSource, overrides: dict[str, Any], script_args: dict[str, Any] | None = None) -> Any:
-    from .config import XShardConfig
-
-    if source.kind is ConfigKind.OBJECT and not overrides:
-        return source.config
-    return XShardConfig.load(source, overrides=overrides or None, env=os.environ, script_args=script_args)
-
-
-#: why a ds_config's optimizer/scheduler "auto" values have no source under an Accelerate script, and the fix
-_NO_SCRIPT_OPTIMIZER_VALUES = (
-    "An Accelerate script builds and prepares its own optimizer and scheduler, which is what trains: remove the "
-    "ds_config's \"optimizer\" and \"scheduler\" blocks (Accelerate refuses them beside the script's own too, "
-    "unless it gets a DummyOptim/DummyScheduler)."
-)
-
-
-def _read_config_source(config: Any, compat: AccelerateSettings) -> ConfigSource:
-    """The job's config source, read once: ``config``, else a DeepSpeedPlugin's ``hf_ds_config`` (a
-    ds_config by the user's word, never told from its keys)."""
-    if config is None and compat.ds_config is not None:
-        return read_source(compat.ds_config, os.environ, kind=ConfigKind.DEEPSPEED)
-    return read_source(config, os.environ)
-
 
 class Accelerator(AccelerateSurface):
     """One training job on one backend: process group, device, sharding, precision, accumulation.
@@ -142,11 +117,10 @@ class Accelerator(AccelerateSurface):
         # Accelerate's arguments (the rest of **overrides are config fields); see accelerate_args
         compat = read_accelerate_args(overrides)
         overrides = {**compat.overrides, **overrides}
-        source = _read_config_source(config, compat)  # what kind of config it is: asked below, never guessed again
+        source = read_config_source(config, compat)  # what kind of config it is: asked below, never guessed again
         backend = backend if backend is not None else compat.backend
         timeout = timeout if timeout is not None else compat.timeout
-        self.config: XShardConfig = _load_config(source, overrides,
-                                                 self._auto_values(compat) if source.configured_by_deepspeed else None)
+        self.config: XShardConfig = load_config(source, overrides, compat)
         config_backend = None if self.config.backend == "auto" else self.config.backend
         selection = select(backend if backend is not None else config_backend)
         # The backend knows where this process sits in the job (torchrun's variables, or torch_xla's
@@ -196,7 +170,7 @@ class Accelerator(AccelerateSurface):
         #: (``xshard.accelerate_compat.accelerator_state``)
         self.state: AcceleratorState = AcceleratorState(
             self, "deepspeed" if source.configured_by_deepspeed else "xshard",
-            self._resolve_ds_config(compat, dict(source.deepspeed) if source.deepspeed is not None else None))
+            resolved_ds_config(compat, dict(source.deepspeed) if source.deepspeed is not None else None))
         self.gradient_state: GradientState = GradientState(self.job)
         self._setup_accelerate(compat)
 
@@ -600,32 +574,6 @@ class Accelerator(AccelerateSurface):
         return progress(iterable, **kwargs)
 
     # ------------------------------------------------------------------ Accelerate's arguments and state
-    @staticmethod
-    def _auto_values(compat: AccelerateSettings) -> dict[str, Any]:
-        """Values for a ds_config's ``"auto"`` entries, filled as Accelerate fills them: accumulation
-        and clipping from the Accelerator's arguments (clipping 1.0 unless a DeepSpeedPlugin or
-        ``ACCELERATE_GRADIENT_CLIPPING`` says otherwise), bf16/fp16 from ``mixed_precision``, the
-        micro-batch from the first prepared data loader (``_fill_auto_batch``)."""
-        from .config.auto import LATER, ScriptValues
-
-        values = ScriptValues(compat.script_args, missing_fix=_NO_SCRIPT_OPTIMIZER_VALUES)
-        # an unknown spelling is the config's error to report (it reads the same value): neither here
-        precision = MIXED_PRECISION.get(str(compat.overrides.get("mixed_precision", "no")).strip().lower())
-        values.setdefault("bf16", precision == "bf16")
-        values.setdefault("fp16", precision == "fp16")
-        values.setdefault("max_grad_norm", float(os.environ.get("ACCELERATE_GRADIENT_CLIPPING", 1.0)))
-        values["per_device_train_batch_size"] = LATER
-        return values
-
-    def _resolve_ds_config(self, compat: AccelerateSettings,
-                           ds_config: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The ds_config with its ``"auto"`` values filled (``_auto_values``), or None."""
-        if ds_config is None:
-            return None
-        from .config.auto import resolve_auto
-
-        return resolve_auto(ds_config, self._auto_values(compat), os.environ)
-
     def _setup_accelerate(self, compat: AccelerateSettings) -> None:
         """Apply Accelerate's arguments to the job; name the ones with no meaning here in one warning."""
         job = self.job
