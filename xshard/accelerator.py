@@ -430,7 +430,7 @@ class Accelerator(AccelerateSurface):
             seed=self._data_seed if self._data_seed is not None else self.seed,
             wrap=self.backend.wrap_dataloader, shard=shard, split_batches=self.job.split_batches,
             non_blocking=self._non_blocking, pad_to_multiple_of=self.pad_to_multiple_of,
-            agree=self._main_process_value,
+            agree=self._main_process_value, agree_more=self._every_process_has,
         )
         self.job.loaders.append(prepared)
         self._fill_auto_batch(prepared)
@@ -443,6 +443,14 @@ class Accelerator(AccelerateSurface):
         on_device = tensor.to(self.device)
         self.backend.collectives.broadcast(on_device, src=0)
         return on_device.to(tensor.device)
+
+    def _every_process_has(self, flag: bool) -> bool:
+        """True when ``flag`` is True on every process (one small all-reduce)."""
+        if self.world_size == 1:
+            return flag
+        value = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        self.backend.collectives.all_reduce(value, op="min")
+        return bool(value.item() > 0)
 
     # ------------------------------------------------------------------ the training step
     @contextlib.contextmanager
