@@ -129,7 +129,7 @@ def _steps_kept(loader_of, world: int) -> list[int]:
     loaders = [shard_data_loader(loader_of(), CPU, world, r) for r in range(world)]
     iterators = [iter(loader) for loader in loaders]
     kept: list[int] = []
-    for batches in zip(*iterators):
+    for batches in zip(*iterators, strict=True):
         counts, _ = loaders[0].real_counts()
         kept += [i for r, b in enumerate(batches) for i in b[0].tolist()[:counts[r]]]
     return kept

@@ -169,14 +169,17 @@ class ShardedDataLoader:
         non_blocking: bool | None = None,
         batch_size: int | None = None,
         stream: StreamShard | None = None,
-        agree_more: Callable[[bool], bool] | None = None,
+        exchange_counts: Callable[[tuple[int, int]], list[tuple[int, int]]] | None = None,
     ) -> None:
         self.loader = loader
         self.device = device
         self.sampler = sampler
         self.stream = stream
-        #: for a stream whose ranks may end apart: True while every rank has a next batch (a collective)
-        self._agree_more = agree_more
+        #: for a stream whose ranks may end apart: every rank's (real samples, samples) in its next batch
+        #: (a collective)
+        self._exchange_counts = exchange_counts
+        self._first: Any = None  # the pass's first batch: what a rank whose stream ended reads again
+        self._counts: list[list[tuple[int, int]]] = []  # the exchanged counts of the batch in use and the one ahead
         self._batch_size = loader.batch_size if batch_size is None else batch_size
         self._wrap = wrap
         self._non_blocking = non_blocking
@@ -239,7 +242,11 @@ class ShardedDataLoader:
     def real_counts(self) -> tuple[list[int], int] | None:
         """(per rank, the real samples of the batch in use; the batch's samples per rank): the others
         repeat samples to even out the last batch. None when the loader is not sharded by index."""
-        if self.sampler is None or not self.in_iteration or self.batches_consumed == 0:
+        if not self.in_iteration or self.batches_consumed == 0:
+            return None
+        if self._exchange_counts is not None and self._counts:
+            return [real for real, _ in self._counts[0]], max(size for _, size in self._counts[0])
+        if self.sampler is None:
             return None
         return self.sampler.real.get(self.batches_consumed - 1)
 
@@ -258,7 +265,10 @@ class ShardedDataLoader:
         if self.stream is not None:
             self.stream.set_epoch(self.epoch)
             self.stream.start = self.batches_consumed
+        elif self._exchange_counts is not None and callable(getattr(self.loader.dataset, "set_epoch", None)):
+            self.loader.dataset.set_epoch(self.epoch)  # a stream split by node: its shuffle follows the epoch
         self.end_of_epoch = False
+        self._first, self._counts = None, []
         with self.iterator_seed.drawing(starts_epoch=self.batches_consumed == 0):
             source = iter(self._wrap(self.loader))
         non_blocking = bool(self.loader.pin_memory) if self._non_blocking is None else self._non_blocking
@@ -283,15 +293,46 @@ class ShardedDataLoader:
 
 
     def _next(self, source: Iterator[Any]) -> Any:
-        """The next batch, or ``_EXHAUSTED`` (on every rank at once where the ranks may end apart)."""
+        """The next batch, or ``_EXHAUSTED``. Where the ranks' streams may end apart, the pass goes on while
+        any rank has a batch, a rank whose stream ended reading its first batch again (real samples: 0),
+        so that no rank waits alone in a collective and every sample is read."""
         upcoming = next(source, _EXHAUSTED)
-        if self._agree_more is not None and not self._agree_more(upcoming is not _EXHAUSTED):
+        if self._exchange_counts is None:
+            return upcoming
+        if upcoming is not _EXHAUSTED and self._first is None:
+            self._first = upcoming
+        if upcoming is not _EXHAUSTED:
+            mine = (_batch_len(upcoming), _batch_len(upcoming))
+        else:
+            mine = (0, 0 if self._first is None else _batch_len(self._first))
+        counts = self._exchange_counts(mine)
+        self._counts = [*self._counts[-1:], counts]
+        if not any(real for real, _ in counts):
             return _EXHAUSTED
+        if upcoming is _EXHAUSTED:
+            if self._first is None:
+                raise RuntimeError(
+                    f"{_name(self.loader)}: this rank's part of the stream is empty while other ranks' are not; "
+                    "give the dataset at least one shard per process with samples, or pass it unsharded")
+            return self._first
         return upcoming
 
 
 _EXHAUSTED = object()
 _ITERATIONS = 0
+
+
+def _batch_len(batch: Any) -> int:
+    """Samples in a collated batch: the first dimension of its first tensor (else its length)."""
+    found: list[int] = []
+
+    def first(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() and not found:
+            found.append(int(x.shape[0]))
+        return x
+
+    map_leaves(batch, first)
+    return found[0] if found else len(batch)
 
 
 class _SkipFirst:
@@ -337,15 +378,15 @@ def shard_data_loader(
     non_blocking: bool | None = None,
     pad_to_multiple_of: int | None = None,
     agree: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-    agree_more: Callable[[bool], bool] | None = None,
+    exchange_counts: Callable[[tuple[int, int]], list[tuple[int, int]]] | None = None,
 ) -> ShardedDataLoader:
     """This rank's share of ``loader``, with device placement and a position (``ShardedDataLoader``).
 
     A map-style loader (any ``sampler``, any ``batch_sampler``) gives rank ``r`` the ``r``-th of every
     ``num_replicas`` batches one process would draw (``xshard.runtime.batch_order``; ``seed`` seeds a plain
     ``shuffle=True``; ``agree`` gives generators rank 0's state). A stream is split by node or sliced per
-    global batch (``xshard.runtime.stream_shard``; ``agree_more``: every rank still has a batch, for
-    streams whose ranks may end apart). ``loader.batch_size`` is per rank; with ``split_batches`` it is the
+    global batch (``xshard.runtime.stream_shard``; ``exchange_counts``: every rank's (real samples, samples) in
+    its next batch, an all-gather, for streams whose ranks may end apart). ``loader.batch_size`` is per rank; with ``split_batches`` it is the
     global batch, each rank taking its slice. ``wrap`` is the backend's ``wrap_dataloader`` (XLA's
     MpDeviceLoader). ``shard=False`` only places batches (for a loader the caller already sharded).
     ``pad_to_multiple_of``: token batches are padded to a multiple of this width (``xshard.static_shapes``).
@@ -361,7 +402,7 @@ def shard_data_loader(
     per_rank = None if size is None else (size // num_replicas if split_batches else size)
     if isinstance(loader.dataset, IterableDataset):
         return _shard_stream(loader, device, num_replicas, rank, wrap, split_batches, non_blocking,
-                             pad_to_multiple_of, agree_more, per_rank)
+                             pad_to_multiple_of, exchange_counts, per_rank)
     try:
         len(loader.batch_sampler)  # type: ignore[arg-type]
     except TypeError:
@@ -378,14 +419,15 @@ def shard_data_loader(
 
 def _shard_stream(loader: DataLoader, device: torch.device, num_replicas: int, rank: int,
                   wrap: Callable[[Any], Any], split_batches: bool, non_blocking: bool | None,
-                  pad_to_multiple_of: int | None, agree_more: Callable[[bool], bool] | None,
+                  pad_to_multiple_of: int | None,
+                  exchange_counts: Callable[[tuple[int, int]], list[tuple[int, int]]] | None,
                   per_rank: int | None) -> ShardedDataLoader:
     """A stream's share for this rank (``xshard.runtime.stream_shard``)."""
     if splits_by_node(loader.dataset, num_replicas) and not split_batches:
         mine = split_by_node(loader.dataset, rank, num_replicas)
         rebuilt = _rebuild(loader, mine, {"batch_size": loader.batch_size, "drop_last": loader.drop_last},
                            pad_to_multiple_of)
-        return ShardedDataLoader(rebuilt, device, None, wrap, non_blocking, agree_more=agree_more)
+        return ShardedDataLoader(rebuilt, device, None, wrap, non_blocking, exchange_counts=exchange_counts)
     if per_rank is None:
         raise ValueError(
             f"prepare() cannot shard {_name(loader)}: a stream is cut per global batch, and this DataLoader does not "

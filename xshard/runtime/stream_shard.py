@@ -2,8 +2,9 @@
 
 - A ``datasets.IterableDataset`` whose shards divide evenly over the ranks is split by node
   (``datasets.distributed.split_dataset_by_node``): each rank reads only its own files. Its ranks may end
-  at different steps, so the prepared loader stops every rank at the first step one of them has no batch
-  for (``ShardedDataLoader``'s ``agree_more``): no rank waits alone in a collective.
+  at different steps, so the prepared loader goes on while any rank has a batch, a rank whose part ended
+  reading its first batch again (``ShardedDataLoader``'s ``exchange_counts``; ``gather_for_metrics`` drops
+  those repeats): no rank waits alone in a collective, and every sample is read.
 - Any other stream is read by every rank and cut into windows of one global batch (``batch_size`` times
   the world size, or ``batch_size`` with ``split_batches``): rank ``r`` keeps the ``r``-th slice of each
   window (``StreamShard``), as Accelerate's ``IterableDatasetShard`` does. The last, short window is
@@ -13,6 +14,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,15 +70,14 @@ class StreamShard(IterableDataset):
 
 def splits_by_node(dataset: Any, num_replicas: int) -> bool:
     """True for a ``datasets.IterableDataset`` whose shards divide evenly over ``num_replicas`` ranks."""
-    try:
-        from datasets import IterableDataset as HFIterableDataset
+    try:  # an optional dependency (untyped): looked up at run time
+        hf_iterable = importlib.import_module("datasets").IterableDataset
     except ImportError:
         return False
-    return isinstance(dataset, HFIterableDataset) and dataset.n_shards % num_replicas == 0
+    return isinstance(dataset, hf_iterable) and dataset.n_shards % num_replicas == 0
 
 
 def split_by_node(dataset: Any, rank: int, num_replicas: int) -> Any:
     """This rank's shards of a ``datasets.IterableDataset`` (``split_dataset_by_node``)."""
-    from datasets.distributed import split_dataset_by_node
-
+    split_dataset_by_node = importlib.import_module("datasets.distributed").split_dataset_by_node
     return split_dataset_by_node(dataset, rank=rank, world_size=num_replicas)
