@@ -187,3 +187,18 @@ def test_a_stream_the_loader_does_not_batch_is_an_error_naming_the_fix():
     loader = DataLoader(Stream(8), batch_size=None)
     with pytest.raises(ValueError, match=r"DataLoader over Stream: .*batch_size=None.*shard=False"):
         shard_data_loader(loader, CPU, 2, 0)
+
+
+class SizedStream(Stream):
+    def __len__(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_sized_stream_has_accelerates_number_of_batches(drop_last):
+    ours = shard_data_loader(DataLoader(SizedStream(25), batch_size=3, drop_last=drop_last), CPU, 2, 1)
+    from accelerate.data_loader import prepare_data_loader
+
+    theirs = prepare_data_loader(DataLoader(SizedStream(25), batch_size=3, drop_last=drop_last), num_processes=2,
+                                 process_index=1, put_on_device=False, dispatch_batches=False)
+    assert len(ours) == len(theirs) == len([b for b in ours])

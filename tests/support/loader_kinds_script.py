@@ -5,7 +5,9 @@
 
 KIND: ``length_grouped`` (transformers' ``LengthGroupedSampler``), ``weighted`` (``WeightedRandomSampler``),
 ``batch_sampler`` (a bucketing batch sampler of the user's), ``generator`` (``shuffle=True`` with a seeded
-generator), ``stream`` (an ``IterableDataset``); every random order comes from a seeded ``torch.Generator``.
+generator), ``stream`` (an ``IterableDataset``), ``datasets`` (a streaming ``datasets.IterableDataset`` of 4
+shards); every random order comes from a seeded ``torch.Generator``. Each process reads its own share
+(``dispatch_batches=False``).
 A small net with dropout trains 2 epochs; each step's loss of each process and the sample ids each process
 read are gathered (``accelerator.gather``: the gather order), then each epoch ends with an evaluation whose
 per-sample predictions and ids go through ``gather_for_metrics``. ``--save_at`` saves the state after that
@@ -25,10 +27,10 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler, TensorDataset
 
 if os.environ.get("ACCELERATOR") == "xshard":
     from xshard import Accelerator
-    from xshard.utils import set_seed
+    from xshard.utils import DataLoaderConfiguration, set_seed
 else:
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import DataLoaderConfiguration, set_seed
 
 BATCH = 4
 
@@ -48,6 +50,10 @@ class Stream(IterableDataset):
     def __iter__(self):
         for i in range(len(self.ids)):
             yield self.x[i], self.y[i], self.ids[i]
+
+
+def as_tuples(rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(torch.stack([torch.as_tensor(row[k]) for row in rows]) for k in ("x", "y", "id"))
 
 
 class Buckets(Sampler[list[int]]):
@@ -70,6 +76,13 @@ def loader(kind: str, n: int, seed: int, workers: int) -> DataLoader:
     common = {"num_workers": workers}
     if kind == "stream":
         return DataLoader(Stream(n, seed), batch_size=BATCH, **common)
+    if kind == "datasets":  # a streaming datasets.IterableDataset of 4 shards
+        from datasets import Dataset
+
+        x, y, ids = tensors(n, seed)
+        columns = {"x": x.tolist(), "y": y.tolist(), "id": ids.tolist()}
+        stream = Dataset.from_dict(columns).with_format("torch").to_iterable_dataset(num_shards=4)
+        return DataLoader(stream, batch_size=BATCH, collate_fn=as_tuples, **common)
     data = TensorDataset(*tensors(n, seed))
     g = torch.Generator().manual_seed(seed)
     if kind == "generator":
@@ -96,16 +109,18 @@ def main() -> None:
     parser.add_argument("--resume", default=None)
     args = parser.parse_args()
 
-    accelerator = Accelerator()
+    # each process reads its own share (for the datasets stream: its shards, as xshard splits it by node)
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=False))
     set_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     # 48 training samples: 12 batches, 6 steps per epoch on 2 processes. 37 evaluation samples: a short last
-    # round, evened by repeats that gather_for_metrics drops; for the stream 40 (Accelerate's dispatching loader
-    # cuts a short last window otherwise) and for the buckets 24 (Accelerate counts the repeats it drops from the
-    # data set's length, which the buckets do not cover when they leave samples out)
+    # round, evened by repeats that gather_for_metrics drops; for the datasets stream 40 (Accelerate's processes
+    # would gather batches of unequal sizes at the end otherwise) and for the buckets 24 (Accelerate counts the
+    # repeats it drops from the data set's length, which the buckets do not cover when they leave samples out)
     train = loader(args.kind, 48, 1, args.workers)
-    evaluation = loader(args.kind, {"stream": 40, "batch_sampler": 24}.get(args.kind, 37), 2, args.workers)
+    evaluation = loader(args.kind, {"datasets": 40, "batch_sampler": 24}.get(args.kind, 37), 2,
+                        args.workers)
     model, optimizer, train, evaluation = accelerator.prepare(model, optimizer, train, evaluation)
 
     step = 0

@@ -205,7 +205,7 @@ class ShardedDataLoader:
     def __len__(self) -> int:
         """Batches per rank in a whole epoch."""
         if self.sampler is None:
-            return len(self.loader) + (self.stream.start if self.stream is not None else 0)
+            return len(self.loader)
         return self.sampler.total()
 
     def set_epoch(self, epoch: int) -> None:
@@ -275,6 +275,10 @@ class ShardedDataLoader:
         global _ITERATIONS
         _ITERATIONS += 1
         self.iteration_order = _ITERATIONS
+        if self._exchange_counts is not None:  # a stream split by node resumes by reading its consumed batches
+            for _ in range(self.batches_consumed):
+                skipped = next(source, _EXHAUSTED)
+                self._first = skipped if self._first is None and skipped is not _EXHAUSTED else self._first
         # Look one batch ahead so the last batch is known while it is in use.
         upcoming = self._next(source)
         self.in_iteration = upcoming is not _EXHAUSTED

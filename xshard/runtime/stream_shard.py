@@ -1,7 +1,8 @@
 """Sharding a stream (an ``IterableDataset``) over ranks, so that no sample is read for training twice.
 
-- A ``datasets.IterableDataset`` whose shards divide evenly over the ranks is split by node
-  (``datasets.distributed.split_dataset_by_node``): each rank reads only its own files. Its ranks may end
+- A ``datasets.IterableDataset`` with at least one shard per rank is split by node as Accelerate splits it
+  (``dataset.shard(num_shards=W, index=rank)``: contiguous blocks of its shards): each rank reads only its own
+  files. Its ranks may end
   at different steps, so the prepared loader goes on while any rank has a batch, a rank whose part ended
   reading its first batch again (``ShardedDataLoader``'s ``exchange_counts``; ``gather_for_metrics`` drops
   those repeats): no rank waits alone in a collective, and every sample is read.
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,6 +47,12 @@ class StreamShard(IterableDataset):
         if callable(set_epoch):
             set_epoch(self.epoch)
 
+    def __len__(self) -> int:
+        """Samples this rank reads per pass (a ``TypeError`` where the stream has no length)."""
+        window = self.per_rank * self.num_replicas
+        windows = len(self.dataset) // window if self.drop_last else math.ceil(len(self.dataset) / window)
+        return windows * self.per_rank
+
     def __iter__(self) -> Iterator[Any]:
         generator = getattr(self.dataset, "generator", None)
         if not hasattr(self.dataset, "set_epoch") and isinstance(generator, torch.Generator):
@@ -69,15 +77,14 @@ class StreamShard(IterableDataset):
 
 
 def splits_by_node(dataset: Any, num_replicas: int) -> bool:
-    """True for a ``datasets.IterableDataset`` whose shards divide evenly over ``num_replicas`` ranks."""
+    """True for a ``datasets.IterableDataset`` with at least ``num_replicas`` shards."""
     try:  # an optional dependency (untyped): looked up at run time
         hf_iterable = importlib.import_module("datasets").IterableDataset
     except ImportError:
         return False
-    return isinstance(dataset, hf_iterable) and dataset.n_shards % num_replicas == 0
+    return isinstance(dataset, hf_iterable) and dataset.n_shards >= num_replicas
 
 
 def split_by_node(dataset: Any, rank: int, num_replicas: int) -> Any:
-    """This rank's shards of a ``datasets.IterableDataset`` (``split_dataset_by_node``)."""
-    split_dataset_by_node = importlib.import_module("datasets.distributed").split_dataset_by_node
-    return split_dataset_by_node(dataset, rank=rank, world_size=num_replicas)
+    """This rank's contiguous block of the shards of a ``datasets.IterableDataset``."""
+    return dataset.shard(num_shards=num_replicas, index=rank)
