@@ -202,3 +202,9 @@ def test_a_sized_stream_has_accelerates_number_of_batches(drop_last):
     theirs = prepare_data_loader(DataLoader(SizedStream(25), batch_size=3, drop_last=drop_last), num_processes=2,
                                  process_index=1, put_on_device=False, dispatch_batches=False)
     assert len(ours) == len(theirs) == len([b for b in ours])
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_one_process_reads_the_loaders_own_batches_a_short_last_one_included(split):
+    loader = shard_data_loader(DataLoader(_data(10), batch_size=4), CPU, 1, 0, split_batches=split)
+    assert [b[0].tolist() for b in loader] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]] and len(loader) == 3

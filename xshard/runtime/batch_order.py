@@ -134,7 +134,7 @@ class RankBatches(Sampler[list[int]]):
     def total(self) -> int:
         """Batches per rank in a whole epoch."""
         n, w = len(self.source), self.num_replicas
-        if self.split_batches or n % w == 0 or self.source.drop_last:
+        if w == 1 or self.split_batches or n % w == 0 or self.source.drop_last:
             return n if self.split_batches else n // w
         return n // w + 1
 
@@ -143,8 +143,11 @@ class RankBatches(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         self.real = {}
-        rounds = self._split(self.source.batches(self.epoch)) if self.split_batches else \
-            self._whole(self.source.batches(self.epoch))
+        batches = self.source.batches(self.epoch)
+        if self.num_replicas == 1:  # one process reads the loader's own batches (a short last one stays short)
+            rounds: Iterator[list[tuple[list[int], int]]] = ([(list(b), len(b))] for b in batches)
+        else:
+            rounds = self._split(batches) if self.split_batches else self._whole(batches)
         for k, dealt in enumerate(rounds):
             if k >= self.start:
                 mine = dealt[self.rank][0]

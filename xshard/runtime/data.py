@@ -265,8 +265,10 @@ class ShardedDataLoader:
         if self.stream is not None:
             self.stream.set_epoch(self.epoch)
             self.stream.start = self.batches_consumed
-        elif self._exchange_counts is not None and callable(getattr(self.loader.dataset, "set_epoch", None)):
-            self.loader.dataset.set_epoch(self.epoch)  # a stream split by node: its shuffle follows the epoch
+        elif self._exchange_counts is not None:
+            set_epoch = getattr(self.loader.dataset, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self.epoch)  # a stream split by node: its shuffle follows the epoch
         self.end_of_epoch = False
         self._first, self._counts = None, []
         with self.iterator_seed.drawing(starts_epoch=self.batches_consumed == 0):
