@@ -3,7 +3,8 @@
 tests/support/loader_kinds_script.py (a small net with dropout, 2 epochs, every random order from a seeded
 generator) run with Accelerate (torchrun, ``ACCELERATE_USE_CPU``) and with xshard (``xshard launch``), only
 the import changed, for a ``LengthGroupedSampler``, a ``WeightedRandomSampler``, a bucketing ``batch_sampler``,
-``shuffle=True`` with a generator, an ``IterableDataset`` and a streaming ``datasets.IterableDataset`` (each
+``shuffle=True`` with a generator, a plain ``shuffle=True`` (Accelerate's ``use_seedable_sampler=True``: the
+seed's order, which xshard always uses), an ``IterableDataset`` and a streaming ``datasets.IterableDataset`` (each
 process reading its own share: ``dispatch_batches=False``):
 
 - each step's loss on each process, and the sample ids each process read (gathered: the gather order),
@@ -48,7 +49,8 @@ def _run(launcher: list[str], accelerator: str, cwd: Path, *args: str) -> dict:
     return json.loads(lines[0][len("RESULT "):])
 
 
-@pytest.mark.parametrize("kind", ["length_grouped", "weighted", "batch_sampler", "generator", "stream", "datasets"])
+@pytest.mark.parametrize("kind", ["length_grouped", "weighted", "batch_sampler", "generator", "shuffle", "stream",
+                                  "datasets"])
 def test_each_loader_kind_gives_accelerates_steps_and_resumes_mid_epoch(tmp_path, kind):
     reference, ours = side_by_side(
         lambda: _run(TORCHRUN, "accelerate", tmp_path, "--kind", kind),

@@ -5,8 +5,9 @@
 
 KIND: ``length_grouped`` (transformers' ``LengthGroupedSampler``), ``weighted`` (``WeightedRandomSampler``),
 ``batch_sampler`` (a bucketing batch sampler of the user's), ``generator`` (``shuffle=True`` with a seeded
-generator), ``stream`` (an ``IterableDataset``), ``datasets`` (a streaming ``datasets.IterableDataset`` of 4
-shards); every random order comes from a seeded ``torch.Generator``. Each process reads its own share
+generator), ``shuffle`` (a plain ``shuffle=True``, with ``use_seedable_sampler=True`` unless ``--seedable 0``),
+``stream`` (an ``IterableDataset``), ``datasets`` (a streaming ``datasets.IterableDataset`` of 4
+shards); every other random order comes from a seeded ``torch.Generator``. Each process reads its own share
 (``dispatch_batches=False``).
 A small net with dropout trains 2 epochs; each step's loss of each process and the sample ids each process
 read are gathered (``accelerator.gather``: the gather order), then each epoch ends with an evaluation whose
@@ -87,6 +88,8 @@ def loader(kind: str, n: int, seed: int, workers: int) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     if kind == "generator":
         return DataLoader(data, batch_size=BATCH, shuffle=True, generator=g, **common)
+    if kind == "shuffle":  # a plain shuffle: its order comes from the seed (use_seedable_sampler)
+        return DataLoader(data, batch_size=BATCH, shuffle=True, **common)
     if kind == "weighted":
         sampler = WeightedRandomSampler(torch.linspace(0.2, 1.0, n), n, replacement=True, generator=g)
         return DataLoader(data, batch_size=BATCH, sampler=sampler, **common)
@@ -107,10 +110,13 @@ def main() -> None:
     parser.add_argument("--save_at", type=int, default=0)
     parser.add_argument("--output_dir", default="out")
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--seedable", type=int, default=1, help="use_seedable_sampler (for --kind shuffle)")
     args = parser.parse_args()
 
     # each process reads its own share (for the datasets stream: its shards, as xshard splits it by node)
-    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=False))
+    seedable = bool(args.seedable) and args.kind == "shuffle"
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=False,
+                                                                        use_seedable_sampler=seedable))
     set_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
