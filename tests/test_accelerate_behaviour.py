@@ -173,18 +173,18 @@ def test_gather_for_metrics_returns_every_sample_once():
     for out in results:
         for name in ("ordered", "shuffled", "split"):
             plain, metric, objects, last_scalars = out[name]
-            assert len(plain) == 38  # gather keeps the sample repeated to even out the last batch
+            assert len(plain) == 40  # gather keeps the samples repeated to even out the last batches
             assert sorted(metric) == list(range(37)), name
             assert sorted(objects, key=lambda s: int(s[1:])) == [f"s{i}" for i in range(37)]
             assert last_scalars == 2  # one value per process is not per-sample: nothing is cut
-        # in the data set's order (rank 0 holds samples 0, 2, 4 ..., rank 1 holds 1, 3, 5 ...)
+        # in the data set's order (rank 0 holds batches 0, 2, 4 ..., rank 1 holds batches 1, 3, 5 ...)
         assert out["ordered"][1] == list(range(37)) and out["split"][1] == list(range(37))
         assert out["ordered"][2] == [f"s{i}" for i in range(37)]
         # loss.repeat(batch_size): each rank's mean kept once per real sample behind it (Accelerate's cut),
-        # the last batch (ranks hold 32, 34, 36 and 33, 35 + the repeated 0) gives 3 + 2 values, not 8
+        # the last batch (ranks hold 32..35 and 36 + the repeated 0, 1, 2) gives 4 + 1 values, not 8
         repeated = out["ordered_repeated"]
         assert len(repeated) == 37
-        assert sum(repeated) == pytest.approx(sum(range(32)) + 3 * (32 + 34 + 36) / 3 + 2 * (33 + 35 + 0) / 3)
+        assert sum(repeated) == pytest.approx(sum(range(32)) + 4 * (32 + 33 + 34 + 35) / 4 + 1 * (36 + 0 + 1 + 2) / 4)
     assert results[0]["pad"] == ([1, 0], [0, 1]) and results[1]["pad"] == ([1, 2], [1, 2])
 
 

@@ -414,7 +414,7 @@ class Accelerator(AccelerateSurface):
             seed=self._data_seed if self._data_seed is not None else self.seed,
             wrap=self.backend.wrap_dataloader, shard=shard, split_batches=self.job.split_batches,
             non_blocking=self._non_blocking, pad_to_multiple_of=self.pad_to_multiple_of,
-            agree=self._main_process_value,
+            agree=self._main_process_value, exchange_counts=self._every_process_count,
         )
         self.job.loaders.append(prepared)
         self._fill_auto_batch(prepared)
@@ -427,6 +427,16 @@ class Accelerator(AccelerateSurface):
         on_device = tensor.to(self.device)
         self.backend.collectives.broadcast(on_device, src=0)
         return on_device.to(tensor.device)
+
+    def _every_process_count(self, counts: tuple[int, int]) -> list[tuple[int, int]]:
+        """Every process's pair of ``counts``, in rank order (one small all-gather)."""
+        if self.world_size == 1:
+            return [counts]
+        mine = torch.tensor(counts, dtype=torch.int64, device=self.device)
+        out = torch.empty(2 * self.world_size, dtype=torch.int64, device=self.device)
+        self.backend.collectives.all_gather_into_tensor(out, mine)
+        values = [int(v) for v in out.tolist()]
+        return [(values[2 * r], values[2 * r + 1]) for r in range(self.world_size)]
 
     # ------------------------------------------------------------------ the training step
     @contextlib.contextmanager

@@ -8,10 +8,8 @@ linear schedule, ``--checkpointing_steps`` with ``save_state("step_<n>")``, ``--
 ``gather_for_metrics(loss.repeat(per_device_eval_batch_size))``. Prints one ``RESULT {json}`` line on
 the main process: each micro-step's loss averaged over the processes, and each epoch's eval loss.
 
-Data order fixed: both loaders are unshuffled. xshard gives rank ``r`` samples ``r, r + W, ...``,
-Accelerate gives it the ``r``-th block of each global batch, so on Accelerate the data sets are
-reordered (``accelerate_layout``) such that every rank reads the same samples in every batch, the
-evening repeats of the last evaluation batch included, on both.
+Data order fixed: both loaders are unshuffled, and both libraries give rank ``r`` the ``r``-th batch of
+every global batch (the evening repeats of the last evaluation batch included).
 """
 
 from __future__ import annotations
@@ -45,18 +43,6 @@ def blocks(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
 
-def accelerate_layout(items: list, world: int, batch: int) -> list:
-    """``items`` reordered so that Accelerate's rank ``r`` reads, batch by batch, what xshard's reads."""
-    if world == 1:
-        return items
-    out = [None] * len(items)
-    for p in range(len(items)):  # xshard: local sample j of rank r is item j * world + r
-        j, r = divmod(p, world)
-        k, i = divmod(j, batch)
-        out[(k * world + r) * batch + i] = items[p]
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--output_dir", required=True)
@@ -80,9 +66,6 @@ def main() -> None:
     set_seed(0)
 
     train_set, eval_set = blocks(32, seed=1), blocks(15, seed=2)  # 15: an uneven last evaluation batch
-    if os.environ.get("ACCELERATOR") != "xshard":
-        train_set = accelerate_layout(train_set, accelerator.num_processes, args.per_device_train_batch_size)
-        eval_set = accelerate_layout(eval_set, accelerator.num_processes, args.per_device_eval_batch_size)
     train_dataloader = DataLoader(train_set, batch_size=args.per_device_train_batch_size)
     eval_dataloader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size)
 

@@ -8,7 +8,7 @@ chosen here by ``SFT_TRAINER=stock|xshard`` (default xshard) so that the tests c
     xshard launch --nproc 2 tests/support/trainer_sft_script.py --model_name_or_path tiny --data_path data.json \\
         --output_dir out --max_steps 8 --per_device_train_batch_size 2 --logging_steps 1
 
-``--lora_r R`` trains a PEFT LoRA adapter instead of the whole model. ``--resume_from_checkpoint true`` resumes from the newest checkpoint in ``--output_dir``. With
+``--streaming true`` reads the training examples as an ``IterableDataset`` (with ``--max_steps``). ``--lora_r R`` trains a PEFT LoRA adapter instead of the whole model. ``--resume_from_checkpoint true`` resumes from the newest checkpoint in ``--output_dir``. With
 ``--eval_records N`` the last N records are held out: ``evaluate()`` and ``predict()`` run after training and
 the main process writes their results to ``eval_results.json``.
 """
@@ -47,8 +47,20 @@ class ModelArguments:
 class DataArguments:
     data_path: str = field(metadata={"help": "Alpaca-format JSON records"})
     max_records: int = field(default=0, metadata={"help": "use only the first N records (0: all)"})
+    streaming: bool = field(default=False, metadata={"help": "read the training examples as a stream (an "
+                                                                "IterableDataset; give --max_steps)"})
     eval_records: int = field(default=0, metadata={"help": "hold out the last N records for evaluation"})
     model_max_length: int = field(default=128, metadata={"help": "tokens per example at most"})
+
+
+class Streamed(torch.utils.data.IterableDataset):
+    """The examples of a dataset, one after the other (as a stream read from files gives them)."""
+
+    def __init__(self, examples: torch.utils.data.Dataset) -> None:
+        self.examples = examples
+
+    def __iter__(self) -> Any:
+        return (self.examples[i] for i in range(len(self.examples)))  # type: ignore[arg-type]
 
 
 class SupervisedDataset(torch.utils.data.Dataset):
@@ -120,7 +132,9 @@ def main(argv: Sequence[str] | None = None, impl: str | None = None) -> Any:
         records = records[: data_args.max_records]
     held_out = data_args.eval_records
     train_records = records[:-held_out] if held_out else records
-    train = SupervisedDataset(train_records, tokenizer, data_args.model_max_length)
+    train: Any = SupervisedDataset(train_records, tokenizer, data_args.model_max_length)
+    if data_args.streaming:
+        train = Streamed(train)
     evaluation = SupervisedDataset(records[-held_out:], tokenizer, data_args.model_max_length) if held_out else None
 
     trainer = Trainer(model=model, args=training_args, processing_class=tokenizer, train_dataset=train,

@@ -105,7 +105,7 @@ class AccelerateSurface(AcceleratorCore):
     @property
     def use_seedable_sampler(self) -> bool:
         """Always True: a shuffle comes from one seed and the epoch, the same order on every rank (a loader
-        with its own ``torch.Generator`` draws from it instead, with rank 0's state: ``xshard.runtime.data.DrawnOrder``)."""
+        with its own ``torch.Generator`` draws from it instead, with rank 0's state: ``xshard.runtime.batch_order``)."""
         return True
 
     @property

@@ -6,16 +6,16 @@
   epoch, so a plain gather of a 37-sample evaluation set on 2 ranks returns 38 predictions; the
   loader knows how many of each rank's samples in the batch in use are real
   (``ShardedDataLoader.real_counts``), and the repeats are dropped;
-- rank ``r`` holds samples ``r, r + W, r + 2W ...`` of the epoch's order, so the gathered parts are
-  interleaved back into that order: predictions line up with the data set's labels, as they do in
-  Accelerate (whose ranks read contiguous blocks), e.g. in the PEFT guide's accuracy loop.
+- rank ``r`` holds the ``r``-th block of each global batch (Accelerate's layout), so the gathered parts,
+  repeats dropped, are in the loader's order: predictions line up with the data set's labels, e.g. in
+  the PEFT guide's accuracy loop.
 
 Values with one row per sample of the batch are reordered and cut to the real samples. Any other
 gathered tensor whose ranks' parts have equal length (``loss.repeat(batch_size)``, the transformers
 examples' evaluation pattern, or a batch's flattened tokens) is cut as Accelerate cuts it: in the
 batch that holds repeats, rank ``r``'s part keeps its first ``counts[r]`` rows (``counts[r]``: the
 real samples rank ``r`` read), which is what Accelerate's "the first ``remainder`` rows of the
-gathered value" keeps in its layout, where rank ``r`` reads the ``r``-th block of the global batch.
+gathered value" keeps.
 So a repeated per-rank loss is weighted by the real samples behind it, and evaluation numbers equal
 Accelerate's whenever the ranks read the same samples.
 """
@@ -105,8 +105,8 @@ def gather_object(collectives: Any, device: torch.device, obj: Any) -> list[Any]
 def in_loader_order(gathered: Any, counts: list[int], batch_len: int, world_size: int,
                     full_batch_len: int | None = None) -> Any:
     """Per-sample rows of a gathered batch (tensors, or a flattened object list) in the loader's order,
-    without the repeats: row ``i`` of rank ``r`` is sample ``i * world_size + r`` of the batch, real when
-    ``i < counts[r]``.
+    without the repeats: row ``i`` of rank ``r`` is sample ``i`` of the rank's block of the global batch,
+    real when ``i < counts[r]``.
 
     ``batch_len``: samples per rank in the batch. In a batch that holds repeats, a value whose per-rank
     parts have another length keeps each rank's first ``counts[r]`` rows (``loss.repeat(batch_size)``
@@ -119,7 +119,7 @@ def in_loader_order(gathered: Any, counts: list[int], batch_len: int, world_size
     smaller_last = full_batch_len is not None and batch_len < full_batch_len
 
     def order(per_rank: int) -> list[int]:
-        return [r * per_rank + i for i in range(per_rank) for r in range(world_size) if i < counts[r]]
+        return [r * per_rank + i for r in range(world_size) for i in range(min(per_rank, counts[r]))]
 
     def arrange(rows: Any) -> Any:
         total = len(rows) if not isinstance(rows, torch.Tensor) else (rows.shape[0] if rows.dim() else 0)

@@ -1,19 +1,19 @@
-"""Data loading for data-parallel jobs: one disjoint slice per rank, batches on the right device.
+"""Data loading for data-parallel jobs: one disjoint share per rank, batches on the right device.
 
-``ShardSampler`` gives rank ``r`` of ``W`` the indices ``order[r::W]`` of a per-epoch order (a seeded
-shuffle, the order the loader's own sampler draws when it brings its own randomness, or 0..n-1; see
-``DrawnOrder``). Interleaving matters: batch ``k`` of every rank together is exactly batch ``k`` of
-a single process whose batch size is ``W`` times larger, so a sharded run can be checked against a
-single-process run on the full batch.
+``shard_data_loader`` gives each rank its share of a user's DataLoader as Accelerate does: of every ``W``
+consecutive batches that one process would draw from the loader (any ``sampler``, any ``batch_sampler``),
+rank ``r`` reads the ``r``-th (``xshard.runtime.batch_order``); a stream is split by node or cut per global
+batch (``xshard.runtime.stream_shard``). ``ShardSampler`` is the per-sample split (rank ``r`` reads
+``order[r::W]``, DistributedSampler's way) for code that builds its own loaders.
 
-``ShardedDataLoader`` wraps a rebuilt ``torch.utils.data.DataLoader`` (same dataset, batch size per
-rank, collate function, workers) and adds what training needs:
+``ShardedDataLoader`` wraps a rebuilt ``torch.utils.data.DataLoader`` (same dataset, this rank's batches,
+collate function, workers) and adds what training needs:
 
 - batches moved to the device (tensors inside dicts, lists, tuples, named tuples, HF ``BatchEncoding``);
 - the epoch advances by itself at the end of each pass (``set_epoch`` still works), so each epoch
   has a new shuffle without user code;
 - the position (epoch and batches consumed) is remembered: ``state_dict()`` / ``load_state_dict()``
-  resume mid-epoch without reading the skipped samples again;
+  resume mid-epoch without reading the skipped samples again (a stream reads and drops them);
 - the RNG draw each pass makes (the workers' base seed, from torch's global RNG when the loader has no
   generator) happens once per epoch, as in a loop that is not interrupted: a pass that continues an
   epoch replays the epoch's draw (``IteratorSeed``), so a resumed run's dropout masks and workers' seeds
@@ -21,7 +21,7 @@ rank, collate function, workers) and adds what training needs:
 - ``end_of_epoch`` is True while the last batch of an epoch is being used (the Accelerator syncs
   gradients there even when the accumulation window is not full);
 - ``real_counts()`` says, for the batch in use, how many of each rank's samples are real rather
-  than the wrap-around repeats that even out the last batch (``gather_for_metrics`` drops those).
+  than the repeats that even out the last batches (``gather_for_metrics`` drops those).
 """
 
 from __future__ import annotations
@@ -29,75 +29,15 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sized
-from typing import TYPE_CHECKING, Any, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from ..sharding.trees import map_leaves
+from .batch_order import EpochBatches, RankBatches
 from .iterator_seed import IteratorSeed
-from .rank_logging import get_logger
-
-log = get_logger("xshard.runtime.data")
-
-
-class DrawnOrder:
-    """Each epoch's order drawn from the user's own shuffling sampler, as one process would draw it.
-
-    Used for a ``RandomSampler`` that brings its own randomness: a ``generator``
-    (``DataLoader(shuffle=True, generator=g)``) or an epoch-seeded sampler with ``set_epoch``
-    (Accelerate's ``SeedableRandomSampler``). A script that seeds ``g`` expects the order to follow
-    ``g``: the union of the ranks' batches is then the batch a single process draws with the same
-    generator (Accelerate's ``training_check`` asserts this). Before each epoch's draw the generator
-    takes rank 0's state (``agree``), as Accelerate synchronises it, so ranks seeded apart still
-    split one order. The state the draw started from is checkpointed (``state_dict``), so a resumed
-    run draws the same order for its epoch again.
-
-    A ``RandomSampler`` without a generator keeps xshard's seeded shuffle (``seed + epoch``): its
-    single-process order would come from the global RNG, which ranks do not share and a resume
-    cannot replay.
-    """
-
-    def __init__(self, sampler: RandomSampler, agree: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.sampler = sampler
-        self.agree = agree
-        self.epoch: int | None = None  # the epoch whose order is cached
-        self.order: list[int] = []
-        self.start_state: torch.Tensor | None = None  # the generator's state before that epoch's draw
-        self.restored_state: torch.Tensor | None = None  # from a checkpoint, for the next draw
-
-    @staticmethod
-    def applies_to(sampler: Sampler[int]) -> TypeGuard[RandomSampler]:
-        """True for a ``RandomSampler`` with its own generator or its own ``set_epoch``."""
-        return isinstance(sampler, RandomSampler) and (
-            sampler.generator is not None or callable(getattr(sampler, "set_epoch", None)))
-
-    def order_of(self, epoch: int) -> list[int]:
-        """Epoch ``epoch``'s order over the dataset (drawn once per epoch, the same on every rank)."""
-        if epoch != self.epoch:
-            generator = self.sampler.generator
-            if generator is not None:
-                if self.restored_state is not None:
-                    generator.set_state(self.restored_state)
-                    self.restored_state = None
-                else:
-                    generator.set_state(self.agree(generator.get_state()))
-                self.start_state = generator.get_state()
-            set_epoch = getattr(self.sampler, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(epoch)
-            self.order, self.epoch = list(iter(self.sampler)), epoch
-        return self.order
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The generator state this epoch's order was drawn from (empty before any draw)."""
-        return {} if self.start_state is None else {"generator_state": self.start_state}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Draw the restored epoch's order again from the saved generator state."""
-        if "generator_state" in state:
-            self.restored_state = state["generator_state"]
-            self.epoch = None
+from .stream_shard import StreamShard, split_by_node, splits_by_node
 
 
 class ShardSampler(Sampler[int]):
@@ -111,12 +51,11 @@ class ShardSampler(Sampler[int]):
         drop_last: drop the tail that does not divide evenly over ranks; otherwise the order is
             padded by wrapping around, so every rank gets the same number of samples (a rank with
             fewer batches would leave the others waiting in a collective).
-        drawn: each epoch's order drawn from the user's sampler instead (``DrawnOrder``).
     """
 
     def __init__(
         self, length: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = False, seed: int = 0,
-        drop_last: bool = False, drawn: DrawnOrder | None = None,
+        drop_last: bool = False,
     ) -> None:
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"ShardSampler: rank {rank} is not in a world of {num_replicas}")
@@ -126,7 +65,6 @@ class ShardSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = int(seed)
         self.drop_last = drop_last
-        self.drawn = drawn
         self.epoch = 0
         self.start = 0  # samples of this rank's slice to skip (resume mid-epoch)
 
@@ -143,9 +81,7 @@ class ShardSampler(Sampler[int]):
 
     def order(self) -> list[int]:
         """This epoch's order over the whole dataset, trimmed or padded to a multiple of the world."""
-        if self.drawn is not None:
-            order = list(self.drawn.order_of(self.epoch))
-        elif self.shuffle:
+        if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.length, generator=g).tolist()
@@ -190,11 +126,11 @@ def move_to_device(batch: Any, device: torch.device, non_blocking: bool = False)
     return map_leaves(batch, move)
 
 
-def _rebuild(loader: DataLoader, sampler: Sampler[int], batch_size: int | None = None,
+def _rebuild(loader: DataLoader, dataset: Any, batching: dict[str, Any],
              pad_to_multiple_of: int | None = None) -> DataLoader:
-    """The same DataLoader with ``sampler`` in place of its own (every other setting kept but the
-    batch size, when one is given, and the collate function, wrapped to pad token batches to a
-    multiple of ``pad_to_multiple_of`` when one is given: ``xshard.static_shapes``)."""
+    """The same DataLoader over ``dataset`` with ``batching`` (``batch_sampler=...``, or ``batch_size`` and
+    ``drop_last``) in place of its own; every other setting kept but the collate function, wrapped to pad
+    token batches to a multiple of ``pad_to_multiple_of`` when one is given: ``xshard.static_shapes``)."""
     collate_fn = loader.collate_fn
     if pad_to_multiple_of:
         from ..static_shapes import PadToMultiple
@@ -202,12 +138,10 @@ def _rebuild(loader: DataLoader, sampler: Sampler[int], batch_size: int | None =
         if not isinstance(collate_fn, PadToMultiple):  # the user's own hook (tensors named) is kept
             collate_fn = PadToMultiple(collate_fn, pad_to_multiple_of)
     kwargs: dict[str, Any] = {
-        "batch_size": loader.batch_size if batch_size is None else batch_size,
-        "sampler": sampler,
+        **batching,
         "num_workers": loader.num_workers,
         "collate_fn": collate_fn,
         "pin_memory": loader.pin_memory,
-        "drop_last": loader.drop_last,
         "timeout": loader.timeout,
         "worker_init_fn": loader.worker_init_fn,
         "generator": loader.generator,
@@ -216,7 +150,7 @@ def _rebuild(loader: DataLoader, sampler: Sampler[int], batch_size: int | None =
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
         kwargs["multiprocessing_context"] = loader.multiprocessing_context
-    return DataLoader(loader.dataset, **kwargs)
+    return DataLoader(dataset, **kwargs)
 
 
 class ShardedDataLoader:
@@ -230,13 +164,23 @@ class ShardedDataLoader:
         self,
         loader: DataLoader,
         device: torch.device,
-        sampler: ShardSampler | None,
+        sampler: RankBatches | None,
         wrap: Callable[[Any], Any] = lambda x: x,
         non_blocking: bool | None = None,
+        batch_size: int | None = None,
+        stream: StreamShard | None = None,
+        exchange_counts: Callable[[tuple[int, int]], list[tuple[int, int]]] | None = None,
     ) -> None:
         self.loader = loader
         self.device = device
         self.sampler = sampler
+        self.stream = stream
+        #: for a stream whose ranks may end apart: every rank's (real samples, samples) in its next batch
+        #: (a collective)
+        self._exchange_counts = exchange_counts
+        self._first: Any = None  # the pass's first batch: what a rank whose stream ended reads again
+        self._counts: list[list[tuple[int, int]]] = []  # the exchanged counts of the batch in use and the one ahead
+        self._batch_size = loader.batch_size if batch_size is None else batch_size
         self._wrap = wrap
         self._non_blocking = non_blocking
         self.epoch = 0
@@ -256,14 +200,13 @@ class ShardedDataLoader:
     @property
     def batch_size(self) -> int | None:
         """Batch size per rank (the global batch is this times the world size)."""
-        return self.loader.batch_size
+        return self._batch_size
 
     def __len__(self) -> int:
         """Batches per rank in a whole epoch."""
         if self.sampler is None:
             return len(self.loader)
-        n, b = self.sampler.num_samples, self.loader.batch_size or 1
-        return n // b if self.loader.drop_last else math.ceil(n / b)
+        return self.sampler.total()
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` (a different shuffle). Setting the current epoch again keeps the
@@ -278,32 +221,34 @@ class ShardedDataLoader:
         rank's own record of its epoch's base-seed draw is ``iterator_seed.state_dict()`` (a checkpoint
         keeps it with the rank's RNG states)."""
         state: dict[str, Any] = {"epoch": self.epoch, "batches_consumed": self.batches_consumed}
-        if self.sampler is not None and self.sampler.drawn is not None:
-            state.update(self.sampler.drawn.state_dict())
+        if self.sampler is not None:
+            state.update(self.sampler.source.state_dict())
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at ``state``: the next pass starts after ``batches_consumed`` batches of ``epoch``."""
         self.epoch = int(state["epoch"])
         self.batches_consumed = int(state["batches_consumed"])
-        if self.sampler is not None and self.sampler.drawn is not None:
-            self.sampler.drawn.load_state_dict(state)
+        if self.sampler is not None:
+            self.sampler.source.load_state_dict(state)
         if self.sampler is not None and 0 < len(self) <= self.batches_consumed:
             # Saved on the epoch's last batch: the next pass is the next epoch, as it is uninterrupted (and
             # as a loop that counts its epoch and skip from the step, ``divmod(step, len(loader))``, expects).
-            if self.sampler.drawn is not None:
-                self.sampler.drawn.order_of(self.epoch)  # the generator moves on past this epoch's draw
+            if self.sampler.source.generator is not None:
+                for _ in self.sampler.source.batches(self.epoch):  # the generator moves past this epoch's draw
+                    pass
             self.epoch, self.batches_consumed = self.epoch + 1, 0
 
     def real_counts(self) -> tuple[list[int], int] | None:
         """(per rank, the real samples of the batch in use; the batch's samples per rank): the others
         repeat samples to even out the last batch. None when the loader is not sharded by index."""
-        if self.sampler is None or not self.in_iteration or self.batches_consumed == 0:
+        if not self.in_iteration or self.batches_consumed == 0:
             return None
-        size = self.loader.batch_size or 1
-        start = (self.batches_consumed - 1) * size
-        end = min(start + size, self.sampler.num_samples)
-        return [self.sampler.real_count(r, start, end) for r in range(self.sampler.num_replicas)], end - start
+        if self._exchange_counts is not None and self._counts:
+            return [real for real, _ in self._counts[0]], max(size for _, size in self._counts[0])
+        if self.sampler is None:
+            return None
+        return self.sampler.real.get(self.batches_consumed - 1)
 
     def skip_first_batches(self, num_batches: int) -> _SkipFirst:
         """Iterate the current epoch from batch ``num_batches`` (counted from the epoch's start).
@@ -316,28 +261,34 @@ class ShardedDataLoader:
     def __iter__(self) -> Iterator[Any]:
         if self.sampler is not None:
             self.sampler.set_epoch(self.epoch)
-            self.sampler.start = self.batches_consumed * (self.loader.batch_size or 1)
+            self.sampler.start = self.batches_consumed
+        if self.stream is not None:
+            self.stream.set_epoch(self.epoch)
+            self.stream.start = self.batches_consumed
+        elif self._exchange_counts is not None:
+            set_epoch = getattr(self.loader.dataset, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self.epoch)  # a stream split by node: its shuffle follows the epoch
         self.end_of_epoch = False
+        self._first, self._counts = None, []
         with self.iterator_seed.drawing(starts_epoch=self.batches_consumed == 0):
             source = iter(self._wrap(self.loader))
         non_blocking = bool(self.loader.pin_memory) if self._non_blocking is None else self._non_blocking
         global _ITERATIONS
         _ITERATIONS += 1
         self.iteration_order = _ITERATIONS
+        if self._exchange_counts is not None:  # a stream split by node resumes by reading its consumed batches
+            for _ in range(self.batches_consumed):
+                skipped = next(source, _EXHAUSTED)
+                self._first = skipped if self._first is None and skipped is not _EXHAUSTED else self._first
         # Look one batch ahead so the last batch is known while it is in use.
-        try:
-            upcoming = next(source)
-        except StopIteration:
-            upcoming = _EXHAUSTED
+        upcoming = self._next(source)
         self.in_iteration = upcoming is not _EXHAUSTED
         try:
             while upcoming is not _EXHAUSTED:
                 current = upcoming
-                try:
-                    upcoming = next(source)
-                except StopIteration:
-                    upcoming = _EXHAUSTED
-                    self.end_of_epoch = True
+                upcoming = self._next(source)
+                self.end_of_epoch = upcoming is _EXHAUSTED
                 self.batches_consumed += 1
                 yield move_to_device(current, self.device, non_blocking)
         finally:  # also when the loop breaks out early
@@ -347,8 +298,47 @@ class ShardedDataLoader:
         self.end_of_epoch = False
 
 
+    def _next(self, source: Iterator[Any]) -> Any:
+        """The next batch, or ``_EXHAUSTED``. Where the ranks' streams may end apart, the pass goes on while
+        any rank has a batch, a rank whose stream ended reading its first batch again (real samples: 0),
+        so that no rank waits alone in a collective and every sample is read."""
+        upcoming = next(source, _EXHAUSTED)
+        if self._exchange_counts is None:
+            return upcoming
+        if upcoming is not _EXHAUSTED and self._first is None:
+            self._first = upcoming
+        if upcoming is not _EXHAUSTED:
+            mine = (_batch_len(upcoming), _batch_len(upcoming))
+        else:
+            mine = (0, 0 if self._first is None else _batch_len(self._first))
+        counts = self._exchange_counts(mine)
+        self._counts = [*self._counts[-1:], counts]
+        if not any(real for real, _ in counts):
+            return _EXHAUSTED
+        if upcoming is _EXHAUSTED:
+            if self._first is None:
+                raise RuntimeError(
+                    f"{_name(self.loader)}: this rank's part of the stream is empty while other ranks' are not; "
+                    "give the dataset at least one shard per process with samples, or pass it unsharded")
+            return self._first
+        return upcoming
+
+
 _EXHAUSTED = object()
 _ITERATIONS = 0
+
+
+def _batch_len(batch: Any) -> int:
+    """Samples in a collated batch: the first dimension of its first tensor (else its length)."""
+    found: list[int] = []
+
+    def first(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() and not found:
+            found.append(int(x.shape[0]))
+        return x
+
+    map_leaves(batch, first)
+    return found[0] if found else len(batch)
 
 
 class _SkipFirst:
@@ -378,6 +368,10 @@ def skip_first_batches(loader: Any, num_batches: int) -> Any:
     return itertools.islice(loader, int(num_batches), None)
 
 
+def _name(loader: DataLoader) -> str:
+    return f"the DataLoader over {type(loader.dataset).__name__}"
+
+
 def shard_data_loader(
     loader: DataLoader,
     device: torch.device,
@@ -390,58 +384,61 @@ def shard_data_loader(
     non_blocking: bool | None = None,
     pad_to_multiple_of: int | None = None,
     agree: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    exchange_counts: Callable[[tuple[int, int]], list[tuple[int, int]]] | None = None,
 ) -> ShardedDataLoader:
-    """Give ``loader`` a ``ShardSampler`` for this rank and device placement.
+    """This rank's share of ``loader``, with device placement and a position (``ShardedDataLoader``).
 
-    The sampler shuffles (with ``seed``) when the loader's sampler is a ``RandomSampler`` (i.e.
-    ``shuffle=True``) and keeps the dataset order otherwise; a ``RandomSampler`` with its own
-    generator (or ``set_epoch``) draws each epoch's order itself, its generator first given rank 0's
-    state by ``agree`` (a broadcast from rank 0; ``DrawnOrder``). ``loader.batch_size`` is per rank.
-    ``wrap`` is the backend's ``wrap_dataloader`` (XLA's MpDeviceLoader). ``shard=False`` only
-    places batches (for a loader the caller already sharded). ``split_batches``: ``batch_size`` is
-    the global batch, and each rank takes ``batch_size / num_replicas`` of it (Accelerate's
-    ``split_batches``; batch ``k`` of every rank together is batch ``k`` of the whole loader).
-    ``pad_to_multiple_of``: token batches are padded to a multiple of this width (static shapes for
-    devices that compile graphs; ``xshard.static_shapes``).
+    A map-style loader (any ``sampler``, any ``batch_sampler``) gives rank ``r`` the ``r``-th of every
+    ``num_replicas`` batches one process would draw (``xshard.runtime.batch_order``; ``seed`` seeds a plain
+    ``shuffle=True``; ``agree`` gives generators rank 0's state). A stream is split by node or sliced per
+    global batch (``xshard.runtime.stream_shard``; ``exchange_counts``: every rank's (real samples, samples) in
+    its next batch, an all-gather, for streams whose ranks may end apart). ``loader.batch_size`` is per rank; with ``split_batches`` it is the
+    global batch, each rank taking its slice. ``wrap`` is the backend's ``wrap_dataloader`` (XLA's
+    MpDeviceLoader). ``shard=False`` only places batches (for a loader the caller already sharded).
+    ``pad_to_multiple_of``: token batches are padded to a multiple of this width (``xshard.static_shapes``).
     """
-    if not shard or isinstance(loader.dataset, IterableDataset):
-        if shard and num_replicas > 1:
-            log.warning(
-                "an IterableDataset cannot be split by index: every rank reads the whole stream unless the "
-                "dataset itself reads RANK and WORLD_SIZE and yields only its share"
-            )
+    if not shard or num_replicas == 1 and isinstance(loader.dataset, IterableDataset):
         return ShardedDataLoader(loader, device, None, wrap, non_blocking)
-    if loader.batch_size is None:
+    size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
+    if split_batches and (size is None or size % num_replicas):
         raise ValueError(
-            "prepare() cannot shard a DataLoader built with a custom batch_sampler: build it with "
-            "batch_size=... (and shuffle=True/False), or shard it yourself and pass it to "
-            "accelerator.prepare_data_loader(loader, shard=False)"
-        )
-    if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+            f"split_batches=True: the batch size of {_name(loader)} ({size}) is the global batch and must be a "
+            f"multiple of the number of processes ({num_replicas}); change batch_size (or give the batch_sampler "
+            "a batch_size attribute) or the process count")
+    per_rank = None if size is None else (size // num_replicas if split_batches else size)
+    if isinstance(loader.dataset, IterableDataset):
+        return _shard_stream(loader, device, num_replicas, rank, wrap, split_batches, non_blocking,
+                             pad_to_multiple_of, exchange_counts, per_rank)
+    try:
+        len(loader.batch_sampler)  # type: ignore[arg-type]
+    except TypeError:
+        sampler = loader.batch_sampler if loader.batch_size is None else loader.sampler
         raise ValueError(
-            f"prepare() cannot shard a DataLoader whose sampler is {type(loader.sampler).__name__}: only "
-            "shuffle=True (RandomSampler) and shuffle=False (SequentialSampler) are re-sampled per rank; "
-            "shard it yourself and pass it to accelerator.prepare_data_loader(loader, shard=False)"
-        )
-    if isinstance(loader.sampler, RandomSampler) and (
-        loader.sampler.replacement or loader.sampler.num_samples != len(cast(Sized, loader.dataset))
-    ):
+            f"prepare() cannot shard {_name(loader)}: its {type(sampler).__name__} has no length, so the batches "
+            "that even out the epoch's end cannot be known; give it __len__, or shard the loader yourself and pass "
+            "accelerator.prepare_data_loader(loader, shard=False)") from None
+    batches = RankBatches(EpochBatches(loader, seed, agree), num_replicas, rank, split_batches,
+                          length=len(cast(Sized, loader.dataset)) if isinstance(loader.dataset, Sized) else 0)
+    rebuilt = _rebuild(loader, loader.dataset, {"batch_sampler": batches}, pad_to_multiple_of)
+    return ShardedDataLoader(rebuilt, device, batches, wrap, non_blocking, batch_size=per_rank)
+
+
+def _shard_stream(loader: DataLoader, device: torch.device, num_replicas: int, rank: int,
+                  wrap: Callable[[Any], Any], split_batches: bool, non_blocking: bool | None,
+                  pad_to_multiple_of: int | None,
+                  exchange_counts: Callable[[tuple[int, int]], list[tuple[int, int]]] | None,
+                  per_rank: int | None) -> ShardedDataLoader:
+    """A stream's share for this rank (``xshard.runtime.stream_shard``)."""
+    if splits_by_node(loader.dataset, num_replicas) and not split_batches:
+        mine = split_by_node(loader.dataset, rank, num_replicas)
+        rebuilt = _rebuild(loader, mine, {"batch_size": loader.batch_size, "drop_last": loader.drop_last},
+                           pad_to_multiple_of)
+        return ShardedDataLoader(rebuilt, device, None, wrap, non_blocking, exchange_counts=exchange_counts)
+    if per_rank is None:
         raise ValueError(
-            "prepare() cannot shard a RandomSampler with replacement=True or num_samples set: use "
-            "shuffle=True, or shard the loader yourself and pass it with shard=False"
-        )
-    batch_size = loader.batch_size
-    if split_batches:
-        if batch_size % num_replicas:
-            raise ValueError(
-                f"split_batches=True: the DataLoader's batch_size ({batch_size}) is the global batch and must be a "
-                f"multiple of the number of processes ({num_replicas}); change batch_size or the process count"
-            )
-        batch_size //= num_replicas
-    sampler = ShardSampler(
-        len(cast(Sized, loader.dataset)), num_replicas=num_replicas, rank=rank,
-        shuffle=isinstance(loader.sampler, RandomSampler), seed=seed, drop_last=loader.drop_last,
-        drawn=DrawnOrder(loader.sampler, agree) if DrawnOrder.applies_to(loader.sampler) else None,
-    )
-    return ShardedDataLoader(_rebuild(loader, sampler, batch_size, pad_to_multiple_of), device, sampler, wrap,
-                             non_blocking)
+            f"prepare() cannot shard {_name(loader)}: a stream is cut per global batch, and this DataLoader does not "
+            "batch it (batch_size=None); let the dataset yield samples and set batch_size=..., or shard the stream "
+            "yourself (read RANK and WORLD_SIZE) and pass accelerator.prepare_data_loader(loader, shard=False)")
+    stream = StreamShard(loader.dataset, per_rank, num_replicas, rank, loader.drop_last)
+    rebuilt = _rebuild(loader, stream, {"batch_size": per_rank, "drop_last": loader.drop_last}, pad_to_multiple_of)
+    return ShardedDataLoader(rebuilt, device, None, wrap, non_blocking, batch_size=per_rank, stream=stream)

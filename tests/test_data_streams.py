@@ -1,0 +1,75 @@
+"""Streams (``IterableDataset``) on 2 and 4 real processes: every sample read once per pass, no rank left waiting.
+
+- A torch ``IterableDataset`` is cut per global batch: each rank reads its slice of every window, all
+  ranks take the same number of steps (a collective in every step), and every sample is read in each
+  pass; only the samples that complete the last window are read twice.
+- A ``datasets.IterableDataset`` with 4 shards of unequal sizes is split by node: each rank reads only its
+  shards, the ranks whose part ends first read their first batch again until every rank's part has ended
+  (no hang), and ``gather_for_metrics`` returns each sample exactly once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from support.distributed import run_workers
+from torch.utils.data import DataLoader, IterableDataset
+
+pytestmark = pytest.mark.multiprocess
+
+
+class Stream(IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter({"id": i} for i in range(self.n))
+
+
+def _worker(rank, world_size, kind, n, batch):
+    import xshard
+
+    acc = xshard.Accelerator(stage=0, seed=0)
+    if kind == "torch":
+        dataset = Stream(n)
+    else:
+        from datasets import Dataset
+
+        dataset = Dataset.from_dict({"id": list(range(n))}).to_iterable_dataset(num_shards=4)
+    loader = acc.prepare(DataLoader(dataset, batch_size=batch))
+    passes = []
+    for _ in range(2):
+        read, kept = [], []
+        for b in loader:
+            read.append(b["id"].tolist())
+            kept += acc.gather_for_metrics(acc.pad_across_processes(b["id"], pad_index=-1)).tolist()
+        passes.append((read, kept))
+    return passes
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_torch_stream_is_read_once_per_pass_in_slices_of_each_global_batch(world):
+    n, batch = 37, 3
+    ranks = run_workers(_worker, world, "torch", n, batch)
+    for p in range(2):
+        reads = [rank[p][0] for rank in ranks]
+        assert len({len(r) for r in reads}) == 1  # every rank the same number of steps
+        counts = Counter(i for r in reads for b in r for i in b)
+        assert set(counts) == set(range(n))
+        assert sum(counts.values()) - n == -n % (batch * world)  # only the last window's completion repeats
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_datasets_stream_is_split_by_node_and_uneven_ends_do_not_hang(world):
+    n, batch = 37, 3  # 4 shards of 10, 9, 9, 9 samples: the ranks' parts end at different steps
+    ranks = run_workers(_worker, world, "datasets", n, batch)
+    for p in range(2):
+        reads = [rank[p][0] for rank in ranks]
+        assert len({len(r) for r in reads}) == 1
+        firsts = [r[0] for r in reads]
+        for r, read in enumerate(reads):  # past its own part, a rank reads its first batch again
+            own = [b for b in read if b != firsts[r]]
+            assert all(b == firsts[r] for b in read[len(own) + 1:])
+        assert set(i for r in reads for b in r for i in b) == set(range(n))
+        assert sorted(ranks[0][p][1]) == list(range(n))  # gather_for_metrics: each sample once

@@ -1,0 +1,61 @@
+"""The transformers Trainer's train sampling strategies on 2 processes give the stock Trainer's losses.
+
+tests/support/trainer_sft_script.py run by the stock Trainer (torchrun, Accelerate's multi-CPU data parallel)
+and by xshard's (``xshard launch``), only the import changed: every step's logged loss and gradient norm agree
+
+- with ``--train_sampling_strategy group_by_length`` (transformers' ``LengthGroupedSampler``, drawn from
+  torch's RNG);
+- with an ``IterableDataset`` train set and ``--max_steps`` (each process reading its slice of every global
+  batch: ``dispatch_batches`` off, as Accelerate's dispatching cannot join batches padded to other lengths).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from support.jobs import run_job
+from support.side_by_side import side_by_side
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve().parent / "support" / "trainer_sft_script.py"
+DATA = ROOT / "examples" / "qwen_finetune" / "data" / "alpaca_synthetic.json"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+XSHARD = [sys.executable, "-m", "xshard", "launch", "--nproc", "2"]
+
+
+def _run(command: list[str], trainer: str, model: Path, out: Path, *extra: str) -> dict[str, dict[int, float]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
+    env.update(SFT_TRAINER=trainer, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true")
+    args = ["--model_name_or_path", str(model), "--data_path", str(DATA), "--max_records", "48",
+            "--model_max_length", "96", "--output_dir", str(out), "--learning_rate", "3e-3", "--logging_steps", "1",
+            "--report_to", "none", "--disable_tqdm", "true", "--seed", "11", "--save_strategy", "no",
+            "--per_device_train_batch_size", "2", "--max_steps", "6", *extra]
+    proc = run_job([*command, str(SCRIPT), *args], timeout=270, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return {key: {h["step"]: h[key] for h in history if key in h and "train_runtime" not in h}
+            for key in ("loss", "grad_norm")}
+
+
+def test_group_by_length_gives_the_stock_trainers_losses_on_2_processes(tiny_model, tmp_path):
+    extra = ("--train_sampling_strategy", "group_by_length")
+    stock, ours = side_by_side(lambda: _run(TORCHRUN, "stock", tiny_model, tmp_path / "stock", *extra),
+                               lambda: _run(XSHARD, "xshard", tiny_model, tmp_path / "xshard", *extra))
+    for key in ("loss", "grad_norm"):
+        assert list(ours[key]) == list(stock[key]) == [1, 2, 3, 4, 5, 6], key
+        assert list(ours[key].values()) == pytest.approx(list(stock[key].values()), rel=1e-4), key
+
+
+def test_an_iterable_train_set_gives_the_stock_trainers_losses_on_2_processes(tiny_model, tmp_path):
+    extra = ("--streaming", "true", "--accelerator_config", '{"dispatch_batches": false}')
+    stock, ours = side_by_side(lambda: _run(TORCHRUN, "stock", tiny_model, tmp_path / "stock", *extra),
+                               lambda: _run(XSHARD, "xshard", tiny_model, tmp_path / "xshard", *extra))
+    for key in ("loss", "grad_norm"):
+        assert list(ours[key]) == list(stock[key]) == [1, 2, 3, 4, 5, 6], key
+        assert list(ours[key].values()) == pytest.approx(list(stock[key].values()), rel=1e-4), key
