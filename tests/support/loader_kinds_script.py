@@ -163,6 +163,8 @@ def main() -> None:
         print("RESULT " + json.dumps({"losses": losses, "read": read, "predictions": predictions,
                                       "evaluated": evaluated}), flush=True)
     accelerator.end_training()
+    if torch.distributed.is_initialized():  # Accelerate leaves its group up: gloo's threads can abort the exit
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
