@@ -28,6 +28,7 @@ from typing import Any
 
 from ..cluster import DEFAULT_MASTER_ADDR as _LOOPBACK  # this machine's rendezvous address
 from .base import GUARD, Launcher, LaunchError, LaunchPlan, LaunchRequest, exit_code
+from .store_link import DEFAULT_SECONDS, StoreLinkGuard
 
 #: a file that outlives the ranks of a job with restarts: the ranks note there where they save
 #: checkpoints, so that restarted ranks resume from them (``xshard.checkpoint.auto_resume``)
@@ -127,11 +128,12 @@ class TorchrunLauncher(Launcher):
         args.module = False
         args.training_script = str(GUARD)
         args.training_script_args = [sys.executable, "-u", *script, *plan.script_args]
+        link = _store_link(args)
         try:
             with tempfile.TemporaryDirectory(prefix="xshard-run-") as run_dir, env_override(**{
                 PARENT_ENV: str(os.getpid()),
                 RESUME_FILE_ENV: os.environ.get(RESUME_FILE_ENV) or os.path.join(run_dir, "checkpoint-folder"),
-            }), _single_node_on_loopback(args):
+            }), _single_node_on_loopback(args), link:
                 run(args)
         except ChildFailedError as exc:
             code, message = failure_report(exc.failures)
@@ -141,11 +143,33 @@ class TorchrunLauncher(Launcher):
             print(f"xshard launch: got {exc.sigval.name}; the ranks were stopped", file=sys.stderr)
             return 128 + int(exc.sigval)
         except (RendezvousError, DistError) as exc:  # the agents never met (DistError: the store timed out)
+            if isinstance(link, StoreLinkGuard) and link.guarded and not isinstance(exc, RendezvousError) \
+                    and "refused" not in str(exc):  # they had met: node 0 was lost since
+                print(f"xshard launch: node 0 (the job's store at {args.master_addr}:{args.master_port}) is "
+                      f"unreachable from this node: the connection to it failed ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0]}) after the nodes had met, with no acknowledgement for "
+                      f"{link.milliseconds / 1000:.0f} s; it is down or cut off from this one. This node's ranks "
+                      "were stopped: check the network, then start the job again on every node (it resumes from "
+                      "the last checkpoint).", file=sys.stderr)
+                return 1
             print(f"xshard launch: the nodes could not meet ({type(exc).__name__}: {exc}); check that every node "
                   "runs `xshard launch` with the same --nnodes, --master_addr and --master_port, and that node 0 "
                   "is reachable on that port (--join_timeout sets how long to wait)", file=sys.stderr)
             return 1
         return 0
+
+
+def _store_link(args: Any) -> Any:
+    """For a job of several nodes, the guard on this launcher's connections to node 0's store
+    (``store_link.py``; ``--join_timeout`` sets its seconds); otherwise a context that does nothing."""
+    if str(args.nnodes) == "1" or args.rdzv_backend != "static" or args.master_port is None:
+        return contextlib.nullcontext()
+    seconds = DEFAULT_SECONDS
+    for item in str(args.rdzv_conf or "").split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "timeout" and value.strip():
+            seconds = float(value)
+    return StoreLinkGuard(int(args.master_port), seconds)
 
 
 def _torchrun_options(request: LaunchRequest) -> list[str]:
