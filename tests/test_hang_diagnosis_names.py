@@ -1,0 +1,43 @@
+"""A peer lost mid-collective is named for what happened to it: a killed rank dead, a rank whose script
+raised crashed (with its exception), never "never arrived" (which is said only of a live rank).
+
+Rank 1 of a 2-rank ``xshard launch`` job fails while rank 0 waits in a collective for it (support
+script ``peer_fault_train.py``); rank 0's error is what its user reads.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.restarts import run_job
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = Path(__file__).resolve().parent / "support" / "peer_fault_train.py"
+LAUNCH = [sys.executable, "-m", "xshard", "launch", "--nproc", "2"]
+
+
+def _peer_fault(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProcess, str]:
+    out = tmp_path / "out"
+    done = run_job(SCRIPT, out, LAUNCH, kill_at=None, script_args=[fault])
+    seen = out / "rank0.txt"
+    assert seen.exists(), f"rank 0 said nothing about rank 1:\n{done.stderr[-3000:]}"
+    return done, seen.read_text()
+
+
+def test_a_rank_killed_mid_collective_is_named_dead(tmp_path, clean_env):
+    done, message = _peer_fault(tmp_path, "kill")
+    assert done.returncode == 137, done.stderr[-3000:]
+    assert message.startswith("RankDiedError: rank 1 died (process "), message
+    assert "never arrived" not in message and "has waited" not in message
+    assert "rank 1 (local rank 1) failed with exit code 137" in done.stderr
+
+
+def test_a_rank_whose_script_raised_is_named_crashed_with_its_exception(tmp_path, clean_env):
+    done, message = _peer_fault(tmp_path, "raise")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert message.startswith("RankDiedError: rank 1 crashed with ValueError: the labels of batch 4 hold NaN"), message
+    assert "never arrived" not in message and "deadlock" not in message
