@@ -58,6 +58,8 @@ HEARTBEAT = 2.0
 STOP_WAIT_S = 2.0
 #: seconds a peer elsewhere may go without a heartbeat before it counts as lost
 PATIENCE = 2.5 * HEARTBEAT
+#: the largest job whose ranks learn every peer's host at the start, and how many beats they try
+LEARN_UP_TO, LEARN_TRIES = 64, 30
 
 #: every monitor of this process whose thread runs (each thread holds its monitor while it runs)
 _running: weakref.WeakSet[CollectiveMonitor] = weakref.WeakSet()
@@ -94,6 +96,7 @@ class CollectiveMonitor:
         self._diagnosed_dead = False
         #: the peers' entries as last read (their hosts and pids, learnt at the start: a lost store still has names)
         self._known: dict[int, dict[str, Any]] = {}
+        self._learn_tries = 0
         #: (collective number, monotonic time, the peers' beats) read ``PATIENCE`` before the deadline
         self._snapshot: tuple[int, float, dict[int, Any]] | None = None
         self.crashed: str | None = None
@@ -172,8 +175,11 @@ class CollectiveMonitor:
             self.store.run(lambda store: store.set(_KEY.format(rank=self.rank), text))
 
     def _learn_peers(self) -> None:
-        """Read the peers' entries until each was seen once (their hosts and pids)."""
-        if len(self._known) < self.world_size - 1:
+        """Read the peers' entries until each was seen once (their hosts and pids), in a job of at most
+        ``LEARN_UP_TO`` ranks (a read of every entry by every rank costs the store the square of the world;
+        a larger job names the other nodes' ranks from torchrun's variables), at most ``LEARN_TRIES`` times."""
+        if self.world_size <= LEARN_UP_TO and len(self._known) < self.world_size - 1 and self._learn_tries < LEARN_TRIES:
+            self._learn_tries += 1
             self._read_entries()
 
     def _read_entries(self) -> dict[int, dict[str, Any] | None]:
@@ -234,7 +240,8 @@ class CollectiveMonitor:
         here = sorted(r for r, e in self._known.items() if e.get("host") == self._host)
         away = {r: e.get("host", "?") for r, e in self._known.items() if e.get("host") != self._host}
         store = os.environ.get("MASTER_ADDR", "?") + ":" + os.environ.get("MASTER_PORT", "?")
-        named = "; ".join(f"rank {r} on {h}" for r, h in sorted(away.items())) or "the ranks of the other nodes"
+        named = "; ".join(f"rank {r} on {h}" for r, h in sorted(away.items())) or _other_nodes(self.rank,
+                                                                                               self.world_size)
         return (f"the node that holds the job's key-value store ({store}) is unreachable from this host "
                 f"({self._host}) {where}: the store has given no answer for {self.store.bound:.0f} s or more and "
                 f"its connection never closed (a process that ends closes it), so that node is down or cut off "
@@ -328,6 +335,18 @@ class CollectiveMonitor:
         if waiting_too:
             lines.append(f"Waiting in it as well: ranks {', '.join(map(str, waiting_too))}.")
         return " ".join(lines)
+
+
+def _other_nodes(rank: int, world_size: int) -> str:
+    """The ranks of the other nodes, from torchrun's variables (a node's ranks are consecutive)."""
+    try:
+        first = rank - int(os.environ["LOCAL_RANK"])
+        here = range(first, first + int(os.environ["LOCAL_WORLD_SIZE"]))
+    except (KeyError, ValueError):
+        return "the ranks of the other nodes"
+    away = [r for r in range(world_size) if r not in here]
+    shown = ", ".join(map(str, away[:16])) + (f" ... ({len(away)} in all)" if len(away) > 16 else "")
+    return f"ranks {shown}" if away else "the ranks of the other nodes"
 
 
 def store_bound(timeout: float) -> float:
