@@ -346,7 +346,7 @@ def _other_nodes(rank: int, world_size: int) -> str:
         return "the ranks of the other nodes"
     away = [r for r in range(world_size) if r not in here]
     shown = ", ".join(map(str, away[:16])) + (f" ... ({len(away)} in all)" if len(away) > 16 else "")
-    return f"ranks {shown}" if away else "the ranks of the other nodes"
+    return (f"rank{'s' if len(away) > 1 else ''} {shown}") if away else "the ranks of the other nodes"
 
 
 def store_bound(timeout: float) -> float:
