@@ -1,5 +1,6 @@
 """A peer lost mid-collective is named for what happened to it: a killed rank dead, a rank whose script
-raised crashed (with its exception), never "never arrived" (which is said only of a live rank).
+raised crashed (with its exception, by its peer and by the launcher), never "never arrived" (which is said
+only of a live rank).
 
 Rank 1 of a 2-rank ``xshard launch`` job fails while rank 0 waits in a collective for it (support
 script ``peer_fault_train.py``); rank 0's error is what its user reads.
@@ -41,3 +42,6 @@ def test_a_rank_whose_script_raised_is_named_crashed_with_its_exception(tmp_path
     assert done.returncode == 1, done.stderr[-3000:]
     assert message.startswith("RankDiedError: rank 1 crashed with ValueError: the labels of batch 4 hold NaN"), message
     assert "never arrived" not in message and "deadlock" not in message
+    # the launcher names the rank that crashed first, with its exception (rank 0 failed because of it)
+    assert ("xshard launch: rank 1 (local rank 1) failed with exit code 1 (ValueError: the labels of batch 4 hold "
+            "NaN); rank 0 exited with code 1") in done.stderr, done.stderr[-2000:]

@@ -199,21 +199,37 @@ def _torchrun_options(request: LaunchRequest) -> list[str]:
 def failure_report(failures: Mapping[int, Any]) -> tuple[int, str]:
     """The job's exit code and one message naming the rank that failed first (and the others).
 
-    torchrun records failure times in whole seconds, so several ranks can tie. A rank that torchrun
-    itself stopped (SIGTERM, after the first failure) is never the cause when another rank tied
-    with it; among the rest the lowest rank is named first.
+    torchrun records failure times in whole seconds, so several ranks can tie. A rank that failed
+    because of a peer (its error, which an xshard rank leaves where torchrun reads it, is a
+    ``RankDiedError`` or ``CollectiveTimeoutError``) or that torchrun itself stopped (SIGTERM, after the
+    first failure) is never the cause when another rank tied with it; among the rest the lowest rank is
+    named first, with its exception where the rank left it.
     """
     stopped_code = -int(signal.SIGTERM)
 
-    def order(item: tuple[int, Any]) -> tuple[int, bool, int]:
+    def order(item: tuple[int, Any]) -> tuple[int, bool, bool, int]:
         rank, failure = item
-        return failure.timestamp, failure.exitcode == stopped_code, rank
+        return failure.timestamp, _error_of(failure).startswith(_PEER_ERRORS), failure.exitcode == stopped_code, rank
 
     ranked = sorted(failures.items(), key=order)
     first_rank, first = ranked[0]
     code = exit_code(first.exitcode) or 1
-    parts = [f"rank {first_rank} (local rank {first.local_rank}) failed with exit code {code}"]
+    error = _error_of(first)
+    parts = [f"rank {first_rank} (local rank {first.local_rank}) failed with exit code {code}"
+             + (f" ({error})" if error else "")]
     for rank, failure in ranked[1:]:
         what = "was stopped" if failure.exitcode == stopped_code else f"exited with code {exit_code(failure.exitcode)}"
         parts.append(f"rank {rank} {what}")
     return code, "xshard launch: " + "; ".join(parts) + ". The output above shows the cause."
+
+
+#: the errors of a rank that failed because of a peer (``xshard.errors``)
+_PEER_ERRORS = ("RankDiedError", "CollectiveTimeoutError")
+
+
+def _error_of(failure: Any) -> str:
+    """The exception a failed rank left in its error file (first line), or "" where it left none."""
+    data = getattr(failure, "error_file_data", None)
+    message = data.get("message") if isinstance(data, dict) else None
+    text = message.get("message") if isinstance(message, dict) else None
+    return str(text).splitlines()[0][:300] if text else ""
