@@ -76,6 +76,13 @@ class CommunicationAPI:
         """Why the world size is limited, and what to do instead."""
         return "start fewer processes"
 
+    @property
+    def timeout(self) -> float | None:
+        """The job's timeout in seconds: how long a collective, and whatever waits for the other ranks
+        (the hang diagnosis, an async save's commit), may wait. Set by ``init_process_group``; None
+        before it, or where it was given none (torch's default then applies to the process group)."""
+        return self._timeout.total_seconds() if self._timeout is not None else None
+
     # ------------------------------------------------------------------ process group
     def init_process_group(self, timeout: datetime.timedelta | float | None = None, *, always: bool = False) -> None:
         """Join the job's process group (torchrun's env contract; one process needs no variables).
@@ -186,8 +193,7 @@ class CommunicationAPI:
                 f"{self.name}: WORLD_SIZE={self.world.world_size} but no process group is running: "
                 "call backend.init_process_group() (Accelerator does this) first"
             )
-        timeout = self._timeout.total_seconds() if self._timeout is not None else None
-        return DistCollectives(native_avg=self.native_avg, device=self.device(), timeout=timeout,
+        return DistCollectives(native_avg=self.native_avg, device=self.device(), timeout=self.timeout,
                                **self.collective_options())
 
     def collective_options(self) -> dict[str, Any]:

@@ -4,16 +4,24 @@ Without it, a rank that stops before a collective (a deadlock in user code, a st
 branch only some ranks take) leaves the others blocked until the process-group timeout, and the error
 then names the rank that was *waiting*. Here every rank publishes, through the job's key-value store,
 its latest collective (number, what it moves, whether it is waiting in it, since when). When a wait
-on this rank lasts longer than the deadline (just under the process-group timeout, so the message
+on this rank lasts longer than the deadline (90% of the process-group timeout, so the message
 comes before NCCL's watchdog tears the process down), the monitor reads every rank's entry and logs
 one message naming the ranks that never arrived, what they did last and what the others wait in;
 the error the wait then raises carries the same message (``CollectiveTimeoutError``).
 
-A rank that died (killed, crashed, its node lost) is named as dead, never as late: every entry
-carries the rank's host and process id and a heartbeat. When a wait fails before the deadline (the
-process group saw a peer's connection close) or the deadline passes, a rank on this host whose
-process is gone (or a zombie) is dead at once; one elsewhere is dead when its heartbeat stops
-advancing for a few beats. The error is then ``RankDiedError`` naming it. A rank never lists itself.
+A rank that is lost is named for what happened to it, never as late: every entry carries the rank's
+host, process id and a heartbeat. A rank whose script ended with an exception publishes it first
+(``crashed``: its peers quote it). On this host, a rank whose process is gone (or a zombie) is dead;
+when the process group saw a connection close, the live ones are watched for ``PATIENCE`` seconds (a
+killed process closes its sockets a moment before it is a zombie). Elsewhere, a rank whose heartbeat
+stopped for ``PATIENCE`` seconds is dead when a connection closed (a process that ends closes its
+sockets) and unreachable when none did (its node is down or cut off). The error is then
+``RankDiedError``. "Never arrived" is said only of live ranks. A rank never lists itself.
+
+The diagnosis never waits on the store it diagnoses: a store cut off from this host answers nothing,
+ever (``backends/bounded_store.py``), so each store call gives up after a bound (a fifth of the timeout,
+2 to 10 s), and a store that gave no answer is named unreachable, with the ranks of the other nodes
+(their hosts were read at the start).
 
 Cost: the main thread only stores a small tuple when a wait starts and ends; a daemon thread
 publishes it about once a second when it changed (and a heartbeat every few seconds) and checks the
@@ -33,10 +41,13 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import weakref
 from typing import Any
+
+from .bounded_store import BoundedStore, StoreFailed, StoreUnreachable
 
 log = logging.getLogger("xshard.backends")
 
@@ -45,6 +56,10 @@ _KEY = "xshard/progress/{rank}"
 HEARTBEAT = 2.0
 #: how long stopping a monitor waits for its thread's store call to return
 STOP_WAIT_S = 2.0
+#: seconds a peer elsewhere may go without a heartbeat before it counts as lost
+PATIENCE = 2.5 * HEARTBEAT
+#: the largest job whose ranks learn every peer's host at the start, and how many beats they try
+LEARN_UP_TO, LEARN_TRIES = 64, 30
 
 #: every monitor of this process whose thread runs (each thread holds its monitor while it runs)
 _running: weakref.WeakSet[CollectiveMonitor] = weakref.WeakSet()
@@ -60,13 +75,15 @@ atexit.register(stop_all)
 
 
 class CollectiveMonitor:
-    """Publishes this rank's collective progress and diagnoses waits that outlast ``deadline`` seconds."""
+    """Publishes this rank's collective progress and diagnoses waits that outlast 90% of ``timeout`` seconds
+    (the process group's timeout, which the backend holds)."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, deadline: float, interval: float = 1.0) -> None:
-        self.store = store
+    def __init__(self, store: Any, rank: int, world_size: int, timeout: float, interval: float = 1.0) -> None:
+        self.timeout = float(timeout)
+        self.deadline = 0.9 * self.timeout
+        self.store = BoundedStore(store, bound=store_bound(self.timeout))
         self.rank = rank
         self.world_size = world_size
-        self.deadline = float(deadline)
         self.interval = interval
         #: (number, description, waiting, wall-clock time of the last change), set by the main thread
         self.state: tuple[int, str, bool, float] = (0, "nothing yet", False, time.time())
@@ -77,11 +94,21 @@ class CollectiveMonitor:
         self._host = socket.gethostname()
         self._diagnosed_for: int | None = None
         self._diagnosed_dead = False
+        #: the peers' entries as last read (their hosts and pids, learnt at the start: a lost store still has names)
+        self._known: dict[int, dict[str, Any]] = {}
+        self._learn_tries = 0
+        #: (collective number, monotonic time, the peers' beats) read ``PATIENCE`` before the deadline
+        self._snapshot: tuple[int, float, dict[int, Any]] | None = None
+        self.crashed: str | None = None
         self._stop = threading.Event()
-        self._publish()  # at once: a rank that dies before the thread's first beat is still known by its pid
+        try:
+            self._publish()  # at once: a rank that dies before the thread's first beat is still known by its pid
+        except StoreUnreachable:
+            pass
         self._thread = threading.Thread(target=self._run, name="xshard-collective-monitor", daemon=True)
         self._thread.start()
         _running.add(self)
+        _report_crashes()
 
     # ------------------------------------------------------------------ main thread
     def waiting(self, number: int, description: str) -> None:
@@ -97,108 +124,197 @@ class CollectiveMonitor:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(STOP_WAIT_S)
+        if not self.store.silent_for:  # a call to a store that answers ends soon; one that does not, never
+            self.store.join(STOP_WAIT_S)
         _running.discard(self)
+
+    def publish_crash(self, error: BaseException) -> None:
+        """This rank ends with ``error``: say so in its entry, so that its peers name it crashed, with why."""
+        self.crashed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:400]
+        self._published = None
+        try:
+            self._publish()
+        except Exception:  # the store is gone or cut off: the peers will name this rank dead or unreachable
+            pass
 
     # ------------------------------------------------------------------ monitor thread
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
                 self._publish()
-                number, _, waiting, since = self.state
-                if waiting and time.time() - since >= self.deadline and self._diagnosed_for != number:
-                    self._diagnosed_for = number
-                    self.diagnosis = self.diagnose()
-                    log.error("%s", self.diagnosis)
-            except Exception as exc:  # the store went away (job ending): stop quietly
+                self._learn_peers()
+            except StoreUnreachable:  # cut off: keep watching the deadline, whose message says so
+                pass
+            except StoreFailed as exc:  # the store went away (job ending): stop quietly
                 log.debug("collective monitor stops: %s", exc)
                 return
+            try:
+                number, _, waiting, since = self.state
+                waited = time.time() - since
+                if waiting and waited >= self.deadline - PATIENCE and (self._snapshot is None
+                                                                       or self._snapshot[0] != number):
+                    self._snapshot = (number, time.monotonic(), self._beats(self._read_entries()))
+                if waiting and waited >= self.deadline and self._diagnosed_for != number:
+                    dead, message = self.explain(number)
+                    self._diagnosed_for, self._diagnosed_dead, self.diagnosis = number, dead, message
+                    log.error("%s", message)
+            except Exception as exc:  # a diagnosis that fails must not end the thread that publishes
+                log.debug("collective monitor: diagnosis failed: %s", exc)
 
     def _publish(self) -> None:
         state = self.state
         if state != self._published or time.monotonic() - self._published_at >= HEARTBEAT:
             number, description, waiting, since = state
             self._beat += 1
-            self.store.set(_KEY.format(rank=self.rank), json.dumps(
-                {"number": number, "description": description, "waiting": waiting, "since": since,
-                 "host": self._host, "pid": os.getpid(), "beat": self._beat}))
+            entry = {"number": number, "description": description, "waiting": waiting, "since": since,
+                     "host": self._host, "pid": os.getpid(), "beat": self._beat}
+            if self.crashed is not None:
+                entry["crashed"] = self.crashed
+            text = json.dumps(entry)
             self._published, self._published_at = state, time.monotonic()
+            self.store.run(lambda store: store.set(_KEY.format(rank=self.rank), text))
 
-    def _entries(self) -> dict[int, dict[str, Any] | None]:
-        """Every other rank's published entry (None: nothing published, or the store cannot say)."""
-        entries: dict[int, dict[str, Any] | None] = {}
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            try:
-                entries[r] = json.loads(self.store.get(_KEY.format(rank=r)))
-            except Exception:
-                entries[r] = None
+    def _learn_peers(self) -> None:
+        """Read the peers' entries until each was seen once (their hosts and pids), in a job of at most
+        ``LEARN_UP_TO`` ranks (a read of every entry by every rank costs the store the square of the world;
+        a larger job names the other nodes' ranks from torchrun's variables), at most ``LEARN_TRIES`` times."""
+        if self.world_size <= LEARN_UP_TO and len(self._known) < self.world_size - 1 and self._learn_tries < LEARN_TRIES:
+            self._learn_tries += 1
+            self._read_entries()
+
+    def _read_entries(self) -> dict[int, dict[str, Any] | None]:
+        """Every other rank's published entry (None: nothing published yet). Raises ``StoreUnreachable``
+        or ``StoreFailed`` when the store cannot say."""
+        keys = {r: _KEY.format(rank=r) for r in range(self.world_size) if r != self.rank}
+
+        def read(store: Any) -> dict[int, dict[str, Any] | None]:
+            out: dict[int, dict[str, Any] | None] = {}
+            for r, key in keys.items():  # ``get`` of a missing key would wait for it: ask first
+                out[r] = json.loads(store.get(key)) if store.check([key]) else None
+            return out
+
+        entries = self.store.run(read)
+        self._known.update({r: e for r, e in entries.items() if e is not None})
         return entries
 
-    def _store_answers(self) -> bool:
-        try:
-            self.store.get(_KEY.format(rank=self.rank))
-            return True
-        except Exception:
-            return False
+    @staticmethod
+    def _beats(entries: dict[int, dict[str, Any] | None]) -> dict[int, Any]:
+        return {r: e.get("beat") for r, e in entries.items() if e is not None}
 
-    def dead_ranks(self, entries: dict[int, dict[str, Any] | None], patience: float = 0.0) -> dict[int, str]:
-        """Ranks among ``entries`` that died, each with how it is known. On this host: the process is gone
-        or a zombie. Elsewhere (only when ``patience`` > 0): its heartbeat did not advance for that many
-        seconds (this call waits that long)."""
-        dead: dict[int, str] = {}
-        remote: dict[int, Any] = {}
-        for r, e in entries.items():
-            if e is None or "pid" not in e:
-                continue
-            if e.get("host") == self._host:
-                how = _process_gone(int(e["pid"]))
-                if how:
-                    dead[r] = f"process {e['pid']} on this host {how}"
-            else:
-                remote[r] = e.get("beat")
-        if remote and patience > 0:
-            time.sleep(patience)
-            for r, e in self._entries().items():
-                if r in remote and e is not None and e.get("beat") == remote[r]:
-                    dead[r] = f"no heartbeat from process {e['pid']} on {e.get('host')} for {patience:.0f} s"
-        return dead
-
+    # ------------------------------------------------------------------ the explanation
     def explain_failure(self, reported: str) -> tuple[bool, str]:
         """Why the wait this rank is in failed (``reported``: the process group's words): (whether a rank
-        died, the message). Called by the waiting thread as the wait fails."""
-        number, description, _, since = self.state
+        is lost: dead, crashed or unreachable; the message). Called by the waiting thread as the wait
+        fails; it returns within a few store bounds and ``PATIENCE``, whatever the store does."""
+        number = self.state[0]
         if self.diagnosis is not None and self._diagnosed_for == number:
             return self._diagnosed_dead, self.diagnosis
-        entries = self._entries()
-        if entries and all(e is None for e in entries.values()) and not self._store_answers():
-            return True, (f"the process that holds the job's key-value store (the launcher, or rank 0 when the job "
-                          f"was started without one) died while rank {self.rank} waited in collective #{number} "
-                          f"({description}); look at its output for why it ended, then resume from the last "
-                          "checkpoint.")
-        dead = self.dead_ranks(entries) or self.dead_ranks(entries, patience=2.5 * HEARTBEAT)
-        if dead:
-            return True, (f"{_died(dead)} while rank {self.rank} waited in collective #{number} ({description}) "
-                          f"for {time.time() - since:.0f} s; the job cannot go on without it: look at that rank's "
-                          "output (or the launcher's line) for why it ended, then resume from the last checkpoint.")
-        return False, self.diagnose(entries)
+        return self.explain(number, closed=connection_closed(reported))
 
-    def diagnose(self, entries: dict[int, dict[str, Any] | None] | None = None) -> str:
-        """Who never arrived at the collective this rank waits in (or died), and where every rank is."""
+    def explain(self, number: int, closed: bool = False) -> tuple[bool, str]:
+        """Where every rank is while this one waits in collective ``number``, naming the lost ones as
+        crashed, dead or unreachable with how that is known (``closed``: the process group saw a peer's
+        connection close, so a process ended), and the live ones that never arrived."""
+        _, description, _, since = self.state
+        where = f"while rank {self.rank} waited in collective #{number} ({description})"
+        try:
+            entries = self._read_entries()
+        except StoreFailed as exc:
+            return True, (f"the process that holds the job's key-value store (the launcher, or rank 0 when the job "
+                          f"was started without one) died {where}: the store's connection failed ({exc}); look at "
+                          "its output for why it ended, then resume from the last checkpoint.")
+        except StoreUnreachable:
+            return True, self._store_unreachable(where)
+        lost = self._crashed(entries)
+        lost.update(self._dead_here(entries, {r for r in entries if r not in lost}, wait=PATIENCE if closed else 0.0))
+        remote = {r for r, e in entries.items() if e is not None and r not in lost and e.get("host") != self._host}
+        if remote:
+            lost.update(self._silent(entries, remote, closed))
+        if lost:
+            return True, (f"{_lost(lost)} {where} for {time.time() - since:.0f} s; the job cannot go on without "
+                          "it: look at that rank's output (or the launcher's line) for why, then resume from the "
+                          "last checkpoint.")
+        return False, self.diagnose(entries, closed=closed)
+
+    def _store_unreachable(self, where: str) -> str:
+        here = sorted(r for r, e in self._known.items() if e.get("host") == self._host)
+        away = {r: e.get("host", "?") for r, e in self._known.items() if e.get("host") != self._host}
+        store = os.environ.get("MASTER_ADDR", "?") + ":" + os.environ.get("MASTER_PORT", "?")
+        named = "; ".join(f"rank {r} on {h}" for r, h in sorted(away.items())) or _other_nodes(self.rank,
+                                                                                               self.world_size)
+        return (f"the node that holds the job's key-value store ({store}) is unreachable from this host "
+                f"({self._host}) {where}: the store has given no answer for {self.store.bound:.0f} s or more and "
+                f"its connection never closed (a process that ends closes it), so that node is down or cut off "
+                f"from this one; unreachable with it: {named}"
+                + (f" (ranks {', '.join(map(str, here))} are on this host)" if here else "")
+                + ". Check the network between the nodes, then resume from the last checkpoint.")
+
+    def _crashed(self, entries: dict[int, dict[str, Any] | None]) -> dict[int, str]:
+        return {r: f"crashed with {e['crashed']} (its last words in the job's store)"
+                for r, e in entries.items() if e is not None and e.get("crashed")}
+
+    def _dead_here(self, entries: dict[int, dict[str, Any] | None], ranks: set[int],
+                   wait: float = 0.0) -> dict[int, str]:
+        """The ranks of ``ranks`` on this host whose process is gone or a zombie. ``wait``: seconds to
+        watch the live ones (a connection closed: a killed process closes its sockets a moment before
+        it becomes a zombie)."""
+        pids = {r: int(e["pid"]) for r, e in entries.items()
+                if r in ranks and e is not None and "pid" in e and e.get("host") == self._host}
+        dead: dict[int, str] = {}
+        end = time.monotonic() + wait
+        while True:
+            for r, pid in pids.items():
+                how = _process_gone(pid) if r not in dead else ""
+                if how:
+                    dead[r] = f"died (process {pid} on this host {how})"
+            if len(dead) == len(pids) or time.monotonic() >= end:
+                return dead
+            time.sleep(0.1)
+
+    def _silent(self, entries: dict[int, dict[str, Any] | None], ranks: set[int], closed: bool) -> dict[int, str]:
+        """The ranks of ``ranks`` (elsewhere) whose heartbeat did not advance for ``PATIENCE`` seconds: dead
+        when the process group saw a connection close, unreachable when none did."""
+        beats, seen_at = self._beats(entries), time.monotonic()
+        snap = self._snapshot
+        if snap is not None and snap[0] == self.state[0] and seen_at - snap[1] >= PATIENCE - 0.5:
+            before, since = snap[2], snap[1]
+        else:  # no reading old enough: wait for one
+            before, since = beats, seen_at
+            time.sleep(PATIENCE)
+            try:
+                beats = self._beats(self._read_entries())
+            except (StoreUnreachable, StoreFailed):
+                return {}
+            seen_at = time.monotonic()
+        quiet = seen_at - since
+        lost: dict[int, str] = {}
+        for r in ranks:
+            if r not in before or beats.get(r) != before[r]:
+                continue
+            e = entries[r] or {}
+            who = f"process {e.get('pid')} on {e.get('host')}"
+            if closed:
+                lost[r] = (f"died ({who}: the process group saw a connection close and its heartbeat stopped "
+                           f"{quiet:.0f} s ago)")
+            else:
+                lost[r] = (f"is unreachable ({who}: no heartbeat for {quiet:.0f} s and no connection closed, as a "
+                           f"process that ends closes them: its node is down or cut off from this one)")
+        return lost
+
+    def diagnose(self, entries: dict[int, dict[str, Any] | None] | None = None, closed: bool = False) -> str:
+        """Who never arrived at the collective this rank waits in, and where every rank is (``entries``:
+        as read; read here when None)."""
         number, description, _, since = self.state
         now = time.time()
         if entries is None:
-            entries = self._entries()
-        dead = self.dead_ranks(entries)
-        self._diagnosed_dead = bool(dead)
-        behind = {r: e for r, e in entries.items() if r not in dead and (e is None or e["number"] < number)}
-        waiting_too = sorted(r for r, e in entries.items()
-                             if r not in dead and e is not None and e["number"] == number and e["waiting"])
-        elsewhere = {r: e for r, e in entries.items() if r not in dead and e is not None and e["number"] > number}
+            entries = self._read_entries()
+        behind = {r: e for r, e in entries.items() if e is None or e["number"] < number}
+        waiting_too = sorted(r for r, e in entries.items() if e is not None and e["number"] == number and e["waiting"])
+        elsewhere = {r: e for r, e in entries.items() if e is not None and e["number"] > number}
         lines = [f"collective #{number} ({description}) has waited {now - since:.0f} s on rank {self.rank}."]
-        if dead:
-            lines.append(f"{_died(dead)}: the job cannot go on without it; look at its output (or the "
-                         "launcher's line) for why it ended, then resume from the last checkpoint.")
+        if closed:
+            lines.append("A peer's connection closed (the process group says so), yet every rank that published "
+                         "its progress is alive.")
         if behind:
             parts = []
             for r, e in sorted(behind.items()):
@@ -206,7 +322,9 @@ class CollectiveMonitor:
                     parts.append(f"rank {r} (no progress published: it may have died or never started)")
                     continue
                 state = "waiting in it" if e["waiting"] else f"finished {now - e['since']:.0f} s ago"
-                parts.append(f"rank {r} (its last collective is #{e['number']}, {e['description']}, {state})")
+                frozen = _process_stopped(int(e["pid"])) if e.get("host") == self._host and "pid" in e else ""
+                parts.append(f"rank {r} (its last collective is #{e['number']}, {e['description']}, {state}"
+                             + (f"; its process {e['pid']} {frozen}" if frozen else "") + ")")
             lines.append("These ranks never arrived: " + "; ".join(parts) + ". Look at what they do after that "
                          "collective: a deadlock, a stuck data loader, or a branch only some ranks take "
                          "(e.g. code under `if accelerator.is_main_process:` that runs the model: use "
@@ -219,8 +337,77 @@ class CollectiveMonitor:
         return " ".join(lines)
 
 
-def _died(dead: dict[int, str]) -> str:
-    return "; ".join(f"rank {r} died ({how})" for r, how in sorted(dead.items()))
+def _other_nodes(rank: int, world_size: int) -> str:
+    """The ranks of the other nodes, from torchrun's variables (a node's ranks are consecutive)."""
+    try:
+        first = rank - int(os.environ["LOCAL_RANK"])
+        here = range(first, first + int(os.environ["LOCAL_WORLD_SIZE"]))
+    except (KeyError, ValueError):
+        return "the ranks of the other nodes"
+    away = [r for r in range(world_size) if r not in here]
+    shown = ", ".join(map(str, away[:16])) + (f" ... ({len(away)} in all)" if len(away) > 16 else "")
+    return (f"rank{'s' if len(away) > 1 else ''} {shown}") if away else "the ranks of the other nodes"
+
+
+def store_bound(timeout: float) -> float:
+    """How long one store call of the diagnosis may wait for its answer: a fifth of the job's timeout,
+    between 2 and 10 s."""
+    return min(10.0, max(2.0, 0.2 * timeout))
+
+
+#: the process group's words when a peer's socket closed (its process ended): gloo's, and the kernel's
+_CLOSED = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection reset")
+
+
+def connection_closed(reported: str) -> bool:
+    """Does the process group's error say a peer's connection closed (rather than a timeout)?"""
+    text = reported.lower()
+    return any(words in text for words in _CLOSED)
+
+
+_hook_installed = False
+
+
+def _report_crashes() -> None:
+    """Once per process: an exception that ends the script is published in this rank's entry (every
+    running monitor's) before the interpreter exits, so that the peers name the rank crashed, with why."""
+    global _hook_installed
+    if _hook_installed:
+        return
+    _hook_installed = True
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
+        for monitor in list(_running):
+            monitor.publish_crash(error)
+        _tell_the_launcher(error, tb)
+        previous(kind, error, tb)
+
+    sys.excepthook = hook
+
+
+def _tell_the_launcher(error: BaseException, tb: Any) -> None:
+    """Write the exception that ends this rank where torchrun's agent reads a worker's error
+    (``TORCHELASTIC_ERROR_FILE``, in the format of torch's ``ErrorHandler``), unless something wrote there
+    already: the launcher then names the rank's exception, and tells a rank that crashed from one that
+    failed because of it (``backends.launchers.torchrun.failure_report``)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    import traceback
+
+    first = str(error).splitlines()[0] if str(error) else ""
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": f"{type(error).__name__}: {first}", "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(type(error), error, tb)),
+                "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass
+
+
+def _lost(lost: dict[int, str]) -> str:
+    return "; ".join(f"rank {r} {how}" for r, how in sorted(lost.items()))
 
 
 def _process_gone(pid: int) -> str:
@@ -239,3 +426,13 @@ def _process_gone(pid: int) -> str:
         except OSError:
             return ""
         return ""
+
+
+def _process_stopped(pid: int) -> str:
+    """"is stopped (...)" for a process of this host that a signal or a debugger stopped, "" otherwise."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    return "is stopped (SIGSTOP, or a debugger holds it)" if state in ("T", "t") else ""

@@ -127,7 +127,7 @@ class DistCollectives(Collectives):
         if timeout is not None and self.world_size > 1 and group is None and monitor_enabled():
             store = _job_store()
             if store is not None:
-                self.monitor = CollectiveMonitor(store, self.rank, self.world_size, deadline=0.9 * timeout)
+                self.monitor = CollectiveMonitor(store, self.rank, self.world_size, timeout=timeout)
 
     def _dist_op(self, op: str) -> tuple[dist.ReduceOp.RedOpType, float | None]:
         """The process-group op and the divisor to apply afterwards (SUM-then-divide for AVG)."""

@@ -28,6 +28,7 @@ from typing import Any
 
 from ..world import DEFAULT_MASTER_ADDR as _LOOPBACK  # this machine's rendezvous address
 from .base import GUARD, Launcher, LaunchError, LaunchPlan, LaunchRequest, exit_code
+from .store_link import DEFAULT_SECONDS, StoreLinkGuard
 from .temp_dirs import job_temp_dir
 
 #: a file that outlives the ranks of a job with restarts: the ranks note there where they save
@@ -140,11 +141,12 @@ class TorchrunLauncher(Launcher):
         args.module = False
         args.training_script = str(GUARD)
         args.training_script_args = [sys.executable, "-u", *script, *plan.script_args]
+        link = _store_link(args)
         try:
             with job_temp_dir("run") as run_dir, env_override(**{
                 PARENT_ENV: str(os.getpid()),
                 RESUME_FILE_ENV: os.environ.get(RESUME_FILE_ENV) or os.path.join(run_dir, "checkpoint-folder"),
-            }), _single_node_on_loopback(args):
+            }), _single_node_on_loopback(args), link:
                 # torchrun's per-rank error files: in this launcher's folder, not a torchelastic_* folder of
                 # the system's temporary folder that nothing removes
                 args.log_dir = args.log_dir or os.path.join(run_dir, "torchelastic")
@@ -162,11 +164,33 @@ class TorchrunLauncher(Launcher):
                 port = next((a.split("=", 1)[1] for a in plan.argv if a.startswith("--master-port=")), "")
                 print(f"xshard launch: error: {port_in_use(port)}", file=sys.stderr)
                 return 1
+            if isinstance(link, StoreLinkGuard) and link.guarded and not isinstance(exc, RendezvousError) \
+                    and "refused" not in str(exc):  # they had met: node 0 was lost since
+                print(f"xshard launch: node 0 (the job's store at {args.master_addr}:{args.master_port}) is "
+                      f"unreachable from this node: the connection to it failed ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0]}) after the nodes had met, with no acknowledgement for "
+                      f"{link.milliseconds / 1000:.0f} s; it is down or cut off from this one. This node's ranks "
+                      "were stopped: check the network, then start the job again on every node (it resumes from "
+                      "the last checkpoint).", file=sys.stderr)
+                return 1
             print(f"xshard launch: the nodes could not meet ({type(exc).__name__}: {exc}); check that every node "
                   "runs `xshard launch` with the same --nnodes, --master_addr and --master_port, and that node 0 "
                   "is reachable on that port (--join_timeout sets how long to wait)", file=sys.stderr)
             return 1
         return 0
+
+
+def _store_link(args: Any) -> Any:
+    """For a job of several nodes, the guard on this launcher's connections to node 0's store
+    (``store_link.py``; ``--join_timeout`` sets its seconds); otherwise a context that does nothing."""
+    if str(args.nnodes) == "1" or args.rdzv_backend != "static" or args.master_port is None:
+        return contextlib.nullcontext()
+    seconds = DEFAULT_SECONDS
+    for item in str(args.rdzv_conf or "").split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "timeout" and value.strip():
+            seconds = float(value)
+    return StoreLinkGuard(int(args.master_port), seconds)
 
 
 def _torchrun_options(request: LaunchRequest) -> list[str]:
@@ -196,21 +220,37 @@ def _torchrun_options(request: LaunchRequest) -> list[str]:
 def failure_report(failures: Mapping[int, Any]) -> tuple[int, str]:
     """The job's exit code and one message naming the rank that failed first (and the others).
 
-    torchrun records failure times in whole seconds, so several ranks can tie. A rank that torchrun
-    itself stopped (SIGTERM, after the first failure) is never the cause when another rank tied
-    with it; among the rest the lowest rank is named first.
+    torchrun records failure times in whole seconds, so several ranks can tie. A rank that failed
+    because of a peer (its error, which an xshard rank leaves where torchrun reads it, is a
+    ``RankDiedError`` or ``CollectiveTimeoutError``) or that torchrun itself stopped (SIGTERM, after the
+    first failure) is never the cause when another rank tied with it; among the rest the lowest rank is
+    named first, with its exception where the rank left it.
     """
     stopped_code = -int(signal.SIGTERM)
 
-    def order(item: tuple[int, Any]) -> tuple[int, bool, int]:
+    def order(item: tuple[int, Any]) -> tuple[int, bool, bool, int]:
         rank, failure = item
-        return failure.timestamp, failure.exitcode == stopped_code, rank
+        return failure.timestamp, _error_of(failure).startswith(_PEER_ERRORS), failure.exitcode == stopped_code, rank
 
     ranked = sorted(failures.items(), key=order)
     first_rank, first = ranked[0]
     code = exit_code(first.exitcode) or 1
-    parts = [f"rank {first_rank} (local rank {first.local_rank}) failed with exit code {code}"]
+    error = _error_of(first)
+    parts = [f"rank {first_rank} (local rank {first.local_rank}) failed with exit code {code}"
+             + (f" ({error})" if error else "")]
     for rank, failure in ranked[1:]:
         what = "was stopped" if failure.exitcode == stopped_code else f"exited with code {exit_code(failure.exitcode)}"
         parts.append(f"rank {rank} {what}")
     return code, "xshard launch: " + "; ".join(parts) + ". The output above shows the cause."
+
+
+#: the errors of a rank that failed because of a peer (``xshard.errors``)
+_PEER_ERRORS = ("RankDiedError", "CollectiveTimeoutError")
+
+
+def _error_of(failure: Any) -> str:
+    """The exception a failed rank left in its error file (first line), or "" where it left none."""
+    data = getattr(failure, "error_file_data", None)
+    message = data.get("message") if isinstance(data, dict) else None
+    text = message.get("message") if isinstance(message, dict) else None
+    return str(text).splitlines()[0][:300] if text else ""

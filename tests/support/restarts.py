@@ -26,6 +26,23 @@ def lose_rank(acc: Any, kill_at: int | None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def freeze_during_background_write(acc: Any, at_step: int) -> None:
+    """In the job's first attempt, rank ``LOST_RANK`` stops itself (SIGSTOP, as a hung node or a debugger
+    would hold it) in the background write of the checkpoint of step ``at_step``, after its first file."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if not (first_attempt and acc.process_index == LOST_RANK):
+        return
+    from xshard.checkpoint import async_save
+
+    class Freezing(async_save.FileWriter):  # type: ignore[misc, valid-type]
+        def _write(self, name: str, write: Callable[..., object]) -> None:
+            super()._write(name, write)
+            if self.folder.name.startswith(f"checkpoint-{at_step}."):
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+    async_save.FileWriter = Freezing  # type: ignore[misc]
+
+
 def train_losing_a_rank(acc: Any, out: Path, kill_at: int | None, total_steps: int, save_every: int,
                         per_rank_batch: int, save: Callable[[], None]) -> None:
     """The loop a user writes, on a tiny regression net with dropout: epoch after epoch over a plain
@@ -62,14 +79,15 @@ def train_losing_a_rank(acc: Any, out: Path, kill_at: int | None, total_steps: i
 
 
 def run_job(script: Path, out: Path, command: list[str], extra_env: dict[str, str] | None = None,
-            kill_at: int | None = 7) -> subprocess.CompletedProcess:
+            kill_at: int | None = 7, script_args: list[str] | None = None) -> subprocess.CompletedProcess:
     """``command script out [kill_at]`` on the CPU backend, ``out`` created first; rank ``LOST_RANK`` of
-    the first attempt kills itself after step ``kill_at`` (None: an uninterrupted run). A hang fails
-    with every process's stacks (``support.jobs``)."""
+    the first attempt kills itself after step ``kill_at`` (None: an uninterrupted run); ``script_args`` come
+    after ``out``. A hang fails with every process's stacks (``support.jobs``)."""
     from support.jobs import run_job as run_reporting_hangs  # test side only: scripts import lose_rank
 
     out.mkdir()
     env = {**os.environ, "XSHARD_BACKEND": "cpu", **(extra_env or {})}
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
-    return run_reporting_hangs([*command, str(script), str(out)] + ([str(kill_at)] if kill_at else []),
+    return run_reporting_hangs([*command, str(script), str(out), *(script_args or [])]
+                               + ([str(kill_at)] if kill_at else []),
                                env=env, timeout=270)

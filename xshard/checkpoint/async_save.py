@@ -205,7 +205,8 @@ class AsyncSaver:
         self.staging = HostStaging(job.backend.host_buffer)
         self.rank = job.rank
         self.world_size = job.world_size
-        timeout = job.config.timeout  # the job's collective timeout: the other ranks' writes get as long
+        timeout = job.timeout  # the job's (Accelerator(timeout=...), else the config's): the others' writes get as long
+        #: how long rank 0's thread waits for the other ranks' files before it gives the checkpoint up
         self.wait_seconds = float(timeout) if timeout else _DEFAULT_WAIT_SECONDS
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

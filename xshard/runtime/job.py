@@ -154,6 +154,12 @@ class JobState:
         """True when the job has more than one process."""
         return self.world_size > 1
 
+    @property
+    def timeout(self) -> float | None:
+        """The job's timeout in seconds (its backend's: ``Accelerator(timeout=...)``, else the config's); None
+        where the process group has torch's default."""
+        return self.backend.timeout
+
     def barrier(self) -> None:
         """Every rank waits until all reach this point."""
         if self.world_size > 1:
