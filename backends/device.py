@@ -17,6 +17,15 @@ import torch
 from ..errors import BackendUnavailableError
 from .world import World
 
+#: processes per CPU core a job of CPU processes may start on one node by default
+CPU_PROCESSES_PER_CORE = 8
+
+
+def cpu_process_bound() -> tuple[int, str]:
+    """``CPU_PROCESSES_PER_CORE`` per CPU core this process may run on, and the reason in words."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return CPU_PROCESSES_PER_CORE * cores, f"{CPU_PROCESSES_PER_CORE} processes per CPU core, {cores} core(s) on this node"
+
 
 class StepPatch:
     """A scoped change to how a script's own optimizer-step call behaves while a sharded model lives.
@@ -86,6 +95,14 @@ class DeviceAPI:
         """The device's model name as its runtime reports it ("NVIDIA H100 80GB HBM3", "Ascend910B2"): what the
         throughput report looks its peak FLOPS up by (``xshard.runtime.throughput``)."""
         return str(self.device_module().get_device_name(self.device()))
+
+    def max_processes_per_node(self) -> tuple[int, str]:
+        """The most processes `xshard launch` starts on one node, and why (``XSHARD_MAX_NPROC`` overrides it):
+        one per device where ``host_device_count`` knows them, else ``cpu_process_bound``."""
+        count = self.host_device_count()
+        if count:
+            return count, f"the {self.name} backend sees {count} device(s) on this node, one process each"
+        return cpu_process_bound()
 
     def measured_peak_tflops(self, dtype: torch.dtype | None) -> float | None:
         """This device's peak TFLOPS in ``dtype`` as measured here, where no published figure serves (a CPU);

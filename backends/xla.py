@@ -26,8 +26,9 @@ from typing import Any, ClassVar
 import torch
 
 from . import replica_threads
-from .base import Backend, StepPatch, World
+from .base import Backend
 from .collectives import Collectives
+from .device import StepPatch, World, cpu_process_bound
 from .launchers.xla import XLALauncher, cpu_replicas_env
 from .xla_collectives import XLACollectives, XLASingleReplicaCollectives, xla_model
 
@@ -205,6 +206,13 @@ class XLABackend(Backend):
 
     def device_name(self) -> str:
         return tpu_accelerator_type()
+
+    def max_processes_per_node(self) -> tuple[int, str]:
+        """XLA:CPU: as many virtual devices as processes asked for (``CPU_NUM_DEVICES``), so the CPU's bound;
+        a TPU: one process per chip."""
+        if os.environ.get("PJRT_DEVICE", "").strip().upper() == "CPU":
+            return cpu_process_bound()
+        return super().max_processes_per_node()
 
     def host_device_count(self) -> int | None:
         """From the environment and the PCI bus (see ``host_device_count``): never the runtime."""

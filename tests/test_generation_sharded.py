@@ -92,7 +92,7 @@ def _worker(rank: int, world: int) -> list[dict]:
 
 
 def test_generate_encoder_embeddings_and_summon_off_forward_equal_the_unsharded_model() -> None:
-    results = run_workers(_worker, 2, timeout=400)
+    results = run_workers(_worker, 2, timeout=240)
     for rank, per_rank in enumerate(results):
         for r in per_rank[:-1]:
             where = f"stage {r['stage']}, rank {rank}"

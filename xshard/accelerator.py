@@ -68,7 +68,7 @@ from .runtime.mixed_precision import Precision
 from .runtime.prepared import PreparedOptimizer, PreparedScheduler
 from .runtime.rank_logging import get_logger, progress, setup_logging, use_barrier
 from .runtime.rebind import StaleParameterGuard, rebind_optimizer
-from .runtime.throughput import ModelFlops, PeakFlops, counting_hook, peak_flops
+from .runtime.throughput import PEAK_ENV, ModelFlops, PeakFlops, counting_hook, peak_flops
 
 if TYPE_CHECKING:
     from .config import XShardConfig
@@ -516,8 +516,13 @@ class Accelerator(AccelerateSurface):
     def _peak(self) -> PeakFlops:
         if self._peak_flops is None:
             dtype = self.compute_dtype
-            self._peak_flops = peak_flops(self.backend.device_name(), dtype,
-                                          measure=lambda: self.backend.measured_peak_tflops(dtype))
+            try:
+                name = self.backend.device_name()
+            except Exception as exc:  # a metric never ends a run: no peak, and the report says why
+                self._peak_flops = PeakFlops(None, f"the device's name could not be read ({type(exc).__name__}: "
+                                                   f"{exc}): set {PEAK_ENV}")
+                return self._peak_flops
+            self._peak_flops = peak_flops(name, dtype, measure=lambda: self.backend.measured_peak_tflops(dtype))
         return self._peak_flops
 
     # ------------------------------------------------------------------ collectives and processes

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 from torch import nn
@@ -163,8 +164,12 @@ def main() -> None:
         print("RESULT " + json.dumps({"losses": losses, "read": read, "predictions": predictions,
                                       "evaluated": evaluated}), flush=True)
     accelerator.end_training()
-    if torch.distributed.is_initialized():  # Accelerate leaves its group up: gloo's threads can abort the exit
-        torch.distributed.destroy_process_group()
+    if os.environ.get("ACCELERATOR") != "xshard":
+        # The anchor's results are printed; its interpreter teardown is not what is compared, and Accelerate's
+        # process aborts there now and then (SIGABRT with gloo's threads and pyarrow loaded: 2 runs of ~30 in
+        # `make test`), which would fail the comparison for a reason outside both programs' training.
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

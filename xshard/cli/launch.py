@@ -58,8 +58,6 @@ TRAINER_ENV = "XSHARD_TRAINER"  # xshard.trainer.switch.ENV_VAR (not imported: t
 TRAINER_RUNNER = "xshard.trainer.patch"
 #: raises the bound on processes per node (``max_nproc``), for a node that really runs more
 MAX_NPROC_ENV = "XSHARD_MAX_NPROC"
-#: processes per CPU core that a CPU job may start on one node by default
-CPU_PROCESSES_PER_CORE = 8
 
 __all__ = ["LaunchError", "LaunchOptions", "LaunchPlan", "launch", "launch_options", "plan_launch", "run_plan"]
 
@@ -154,8 +152,8 @@ def trainer_switch(opts: LaunchOptions, env: Mapping[str, str]) -> bool:
 
 
 def max_nproc(backend: Backend, env: Mapping[str, str]) -> tuple[int, str]:
-    """The most processes one node may start, and why: ``XSHARD_MAX_NPROC`` when set, else one per device
-    of an accelerator backend, else ``CPU_PROCESSES_PER_CORE`` per CPU core this process may run on."""
+    """The most processes one node may start, and why: ``XSHARD_MAX_NPROC`` when set, else the backend's bound
+    (``Backend.max_processes_per_node``: one per device, or a number per CPU core)."""
     text = env.get(MAX_NPROC_ENV)
     if text is not None:
         try:
@@ -166,13 +164,7 @@ def max_nproc(backend: Backend, env: Mapping[str, str]) -> tuple[int, str]:
             raise LaunchError(f"{MAX_NPROC_ENV}={text!r}: give the most processes one node may start, a whole "
                               "number of at least 1")
         return value, f"{MAX_NPROC_ENV}={value}"
-    if backend.device_type != "cpu":
-        count = backend.host_device_count()
-        if count:
-            return count, f"the {backend.name} backend sees {count} device(s) on this node, one process each"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return (CPU_PROCESSES_PER_CORE * cores,
-            f"{CPU_PROCESSES_PER_CORE} processes per CPU core, {cores} core(s) on this node")
+    return backend.max_processes_per_node()
 
 
 def _check_max_nproc(nproc: int, backend: Backend, env: Mapping[str, str]) -> None:

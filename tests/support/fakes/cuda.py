@@ -64,7 +64,10 @@ def fake_cuda(
         return major >= 8 or including_emulation
 
     monkeypatch.setattr(torch.backends.cuda, "is_built", is_built)
-    for fn in (device_count, is_initialized, set_device, is_bf16_supported):
+    def get_device_name(device=None) -> str:
+        return "NVIDIA A100-SXM4-80GB"
+
+    for fn in (device_count, is_initialized, set_device, is_bf16_supported, get_device_name):
         monkeypatch.setattr(torch.cuda, fn.__name__, fn)
     monkeypatch.setattr(torch.version, "cuda", "12.6")
     return calls

@@ -290,6 +290,10 @@ def _npu_module(calls: NPUCalls, device_count: int, bf16: bool, initialized: boo
         rt.lazy_init("current_device")
         return rt.current
 
+    def get_device_name(device=None):
+        # the names torch_npu reports: a bf16 chip is a 910B, the one without bf16 the 910A class
+        return "Ascend910B2" if rt.bf16 else "Ascend910A"
+
     def is_bf16_supported(including_emulation: bool = False):
         rt.lazy_init("is_bf16_supported")
         calls.bf16_questions.append(rt.current)
@@ -345,7 +349,7 @@ def _npu_module(calls: NPUCalls, device_count: int, bf16: bool, initialized: boo
         return rt.inf_nan_mode
 
     for fn in (_lazy_init, is_initialized, device_count, is_available, set_device, current_device,
-               is_bf16_supported, get_amp_supported_dtype, synchronize, memory_allocated, max_memory_allocated,
+               is_bf16_supported, get_device_name, get_amp_supported_dtype, synchronize, memory_allocated, max_memory_allocated,
                reset_peak_memory_stats, get_rng_state, set_rng_state, manual_seed, manual_seed_all,
                _is_in_bad_fork, current_stream, default_stream, stream):
         setattr(mod, fn.__name__, fn)
