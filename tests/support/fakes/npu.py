@@ -290,7 +290,7 @@ def _npu_module(calls: NPUCalls, device_count: int, bf16: bool, initialized: boo
         rt.lazy_init("current_device")
         return rt.current
 
-    def get_device_name(device=None):
+    def get_device_name(device_name=None):
         # the names torch_npu reports: a bf16 chip is a 910B, the one without bf16 the 910A class
         return "Ascend910B2" if rt.bf16 else "Ascend910A"
 
