@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from .base import Backend
-from .device import cpu_process_bound
 
 
 class CPUBackend(Backend):
@@ -30,9 +29,6 @@ class CPUBackend(Backend):
 
     def device_count(self) -> int:
         return 1
-
-    def max_processes_per_node(self) -> tuple[int, str]:
-        return cpu_process_bound()
 
     def device_name(self) -> str:
         """The processor as the platform names it (the CPU's peak FLOPS is measured, not looked up)."""

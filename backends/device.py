@@ -98,8 +98,9 @@ class DeviceAPI:
 
     def max_processes_per_node(self) -> tuple[int, str]:
         """The most processes `xshard launch` starts on one node, and why (``XSHARD_MAX_NPROC`` overrides it):
-        one per device where ``host_device_count`` knows them, else ``cpu_process_bound``."""
-        count = self.host_device_count()
+        one per device where ``host_device_count`` knows them, else (and for any backend computing on the CPU)
+        ``cpu_process_bound``."""
+        count = self.host_device_count() if self.device_type != "cpu" else None
         if count:
             return count, f"the {self.name} backend sees {count} device(s) on this node, one process each"
         return cpu_process_bound()
