@@ -193,8 +193,9 @@ class ThroughputMeter:
         self._samples = 0
         self._unmasked_tokens = 0  # tokens of the batches without a mask (counted by shape)
         self._flops = 0.0  # their model FLOPs
-        self._real_tokens: torch.Tensor | None = None  # the masks' sums, on the device
-        self._real_flops: torch.Tensor | None = None  # model FLOPs of the masked batches, on the device
+        #: the masks' sums, on the device, by the model FLOPs of one token of their sequence length (integer
+        #: sums: every device has them, where float64 is not on every one)
+        self._real_tokens: dict[float, torch.Tensor] = {}
 
     def count_batch(self, model: ModelFlops, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Count the batch a training forward of ``model`` is called with (a forward pre-hook's arguments)."""
@@ -214,9 +215,8 @@ class ThroughputMeter:
             self._flops += per_token * ids.numel()
             return
         real = mask.sum()  # stays on the device until a report reads it
-        flops = real.to(torch.float64) * per_token
-        self._real_tokens = real if self._real_tokens is None else self._real_tokens + real
-        self._real_flops = flops if self._real_flops is None else self._real_flops + flops
+        held = self._real_tokens.get(per_token)
+        self._real_tokens[per_token] = real if held is None else held + real
 
     def step_finished(self) -> None:
         """An optimizer step ended (the first one opens the window)."""
@@ -231,8 +231,11 @@ class ThroughputMeter:
         Reads the counted attention-mask sums: one device-to-host copy, here only."""
         now = time.perf_counter()
         elapsed = now - self._since if self._since is not None else 0.0
-        real_tokens = int(self._real_tokens.item()) if self._real_tokens is not None else None
-        flops = self._flops + (float(self._real_flops.item()) if self._real_flops is not None else 0.0)
+        real_tokens, flops = None, self._flops
+        if self._real_tokens:  # one copy to the host, whatever the number of sequence lengths seen
+            sums = torch.stack([t.reshape(()).long() for t in self._real_tokens.values()]).cpu().tolist()
+            real_tokens = sum(sums)
+            flops += sum(per_token * n for per_token, n in zip(self._real_tokens, sums, strict=True))
         counted = self._unmasked_tokens + (real_tokens or 0)
         out: dict[str, Any] = {"steps": self._steps, "seconds": elapsed, "tokens": self._tokens,
                                "non_padding_tokens": counted, "samples": self._samples,
