@@ -3,11 +3,11 @@
 A TCPStore client whose server is cut off (a node lost, a link down) does not fail: its ``get`` waits for
 the store's timeout, then for the answer to its cancel, which never comes; ``set`` and ``check`` wait for
 their answer the same way. Measured on two network namespaces with the link taken down: a ``get`` was still
-waiting 170 s later. So every store call of ``backends.monitor`` runs here: on a daemon thread of its own,
-waited for at most ``bound`` seconds. A call with no answer by then raises ``StoreUnreachable``, and so does
-every later call at once while it is still out (one thread is left waiting in the store, not one a call);
-once it returns (the link came back), calls go through again. A call that fails (the store's process died:
-the connection was refused or reset) raises ``StoreFailed``, which says so.
+waiting 170 s later. So every store call of ``backends.monitor`` runs here: on one thread that serves them in
+turn for the life of the store (``backends/call_thread.py`` says why not one a call), each waited for at most
+``bound`` seconds. A call with no answer by then raises ``StoreUnreachable``, and so does every later call at
+once while it is still out; once it returns (the link came back), calls go through again. A call that fails
+(the store's process died: the connection was refused or reset) raises ``StoreFailed``, which says so.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from .call_thread import Call, CallThread
 
 T = TypeVar("T")
 
@@ -35,43 +37,33 @@ class BoundedStore:
         self.store = store
         self.bound = float(bound)
         self._lock = threading.Lock()
-        self._out: threading.Thread | None = None
-        self._out_since = 0.0
+        self._calls = CallThread("xshard-store-calls")
+        #: the call that outlived its bound (None when none did since the last answer)
+        self._out: Call | None = None
 
     @property
     def silent_for(self) -> float:
         """Seconds the call still out has waited for its answer (0.0 when none is out)."""
         out = self._out
-        return time.monotonic() - self._out_since if out is not None and out.is_alive() else 0.0
+        return time.monotonic() - out.started if out is not None and not out.done.is_set() else 0.0
 
     def run(self, work: Callable[[Any], T], bound: float | None = None) -> T:
-        """``work(store)`` on a thread of its own, waited for at most ``bound`` (default: ``self.bound``) seconds."""
+        """``work(store)`` on the store's thread, waited for at most ``bound`` (default: ``self.bound``) seconds."""
         with self._lock:
-            if self._out is not None and self._out.is_alive():
+            if self.silent_for:
                 raise StoreUnreachable(f"no answer for {self.silent_for:.0f} s")
+            if not self._calls.alive:
+                raise StoreFailed("the store's calls were closed (the job is ending)")
             self._out = None
-            box: dict[str, Any] = {}
+            call = self._calls.submit(lambda: work(self.store))
+            if not call.done.wait(self.bound if bound is None else bound):
+                self._out = call
+                raise StoreUnreachable(f"no answer in {time.monotonic() - call.started:.0f} s")
+            if call.error is not None:
+                text = str(call.error)
+                raise StoreFailed(text.splitlines()[0] if text else type(call.error).__name__) from call.error
+            return call.value
 
-            def call() -> None:
-                try:
-                    box["value"] = work(self.store)
-                except BaseException as exc:  # handed to the caller
-                    box["error"] = exc
-
-            thread = threading.Thread(target=call, name="xshard-store-call", daemon=True)
-            started = time.monotonic()
-            thread.start()
-            thread.join(self.bound if bound is None else bound)
-            if thread.is_alive():
-                self._out, self._out_since = thread, started
-                raise StoreUnreachable(f"no answer in {time.monotonic() - started:.0f} s")
-            if "error" in box:
-                raise StoreFailed(str(box["error"]).splitlines()[0] if str(box["error"]) else
-                                  type(box["error"]).__name__) from box["error"]
-            return box["value"]
-
-    def join(self, seconds: float) -> None:
-        """Wait up to ``seconds`` for the call still out (stopping: see ``CollectiveMonitor.stop``)."""
-        out = self._out
-        if out is not None:
-            out.join(seconds)
+    def close(self, seconds: float) -> None:
+        """End the store's thread, waiting up to ``seconds`` for it (for the call still out, when one is)."""
+        self._calls.close(seconds)

@@ -25,7 +25,8 @@ ever (``backends/bounded_store.py``), so each store call gives up after a bound 
 
 Cost: the main thread only stores a small tuple when a wait starts and ends; a daemon thread
 publishes it about once a second when it changed (and a heartbeat every few seconds) and checks the
-deadline. No store traffic happens on the training path.
+deadline; a second one makes the store calls. No store traffic happens on the training path, and no
+thread starts or ends while the job trains (a fork then could hang: ``backends/bounded_store.py``).
 
 Lifetime: a process may hold several monitors (a Trainer script's arguments and its Accelerator each
 have a backend, and the one that did not form the group runs the collectives). Leaving the group stops
@@ -124,8 +125,8 @@ class CollectiveMonitor:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(STOP_WAIT_S)
-        if not self.store.silent_for:  # a call to a store that answers ends soon; one that does not, never
-            self.store.join(STOP_WAIT_S)
+        # a call to a store that answers ends soon; one that does not, never (its thread is left in it)
+        self.store.close(0.0 if self.store.silent_for else STOP_WAIT_S)
         _running.discard(self)
 
     def publish_crash(self, error: BaseException) -> None:

@@ -41,7 +41,6 @@ import json
 import mmap
 import os
 import shutil
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..backends.call_thread import Call, CallThread
 from ..runtime.rank_logging import get_logger
 from .files import CheckpointError, CheckpointSaveError, FileWriter
 from .tensorfile import PT_METADATA, safetensors_header, tensor_bytes
@@ -208,7 +208,10 @@ class AsyncSaver:
         timeout = job.timeout  # the job's (Accelerator(timeout=...), else the config's): the others' writes get as long
         #: how long rank 0's thread waits for the other ranks' files before it gives the checkpoint up
         self.wait_seconds = float(timeout) if timeout else _DEFAULT_WAIT_SECONDS
-        self._thread: threading.Thread | None = None
+        #: the one thread that writes (started at the first save: ``backends/call_thread.py`` says why one)
+        self._writer: CallThread | None = None
+        #: the running background write (None when none is started and not yet waited for)
+        self._write_call: Call | None = None
         self._error: BaseException | None = None
         self._path: Path | None = None
         #: the running save's ``.tmp`` folder (removed by rank 0 when the save fails)
@@ -237,9 +240,9 @@ class AsyncSaver:
         synchronize()  # the copies from the device are complete before training changes the tensors
         self._path, self._error, self.write_seconds, self.write_cpu_seconds = final, None, None, None
         self.tmp = tmp
-        self._thread = threading.Thread(target=self._write, args=(tmp, writer, tables, commit),
-                                        name=f"xshard-async-save-{final.name}", daemon=False)
-        self._thread.start()
+        if self._writer is None:
+            self._writer = CallThread("xshard-async-save")
+        self._write_call = self._writer.submit(lambda: self._write(tmp, writer, tables, commit))
         log.info("saving %s in the background (%.2f GB of host buffers)", final, self.staging.bytes_allocated / 1e9)
 
     def _write(self, tmp: Path, staged: StagingWriter, tables: dict[str, Any], commit: Callable[[], None] | None) -> None:
@@ -281,21 +284,22 @@ class AsyncSaver:
     @property
     def pending(self) -> bool:
         """Is a background write started and not yet waited for?"""
-        return self._thread is not None
+        return self._write_call is not None
 
     def finish(self) -> tuple[Path | None, BaseException | None]:
         """Wait for the background write; its path and this rank's error (None when it succeeded)."""
-        if self._thread is None:
+        if self._write_call is None:
             return None, None
-        self._thread.join()
+        self._write_call.done.wait()
         path, error = self._path, self._error
-        self._thread, self._error = None, None
+        self._write_call, self._error = None, None
         return path, error
 
     def _report_at_exit(self) -> None:
         """A write that failed after the script's last call must not pass unnoticed."""
-        if self._thread is not None:
-            self._thread.join()
+        # the writer is a daemon thread: the interpreter's exit waits for the write here, before it ends it
+        if self._write_call is not None:
+            self._write_call.done.wait()
             if self._error is not None:
                 log.error("the background write of %s failed and nothing waited for it (call accelerator.end() "
                           "at the end of the script): %s", self._path, self._error)
