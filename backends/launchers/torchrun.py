@@ -234,8 +234,13 @@ def failure_report(failures: Mapping[int, Any]) -> tuple[int, str]:
 
     ranked = sorted(failures.items(), key=order)
     first_rank, first = ranked[0]
-    code = exit_code(first.exitcode) or 1
     error = _error_of(first)
+    code = exit_code(first.exitcode) or 1
+    if first.exitcode == stopped_code and error and not error.startswith(_PEER_ERRORS):
+        # its script raised (the error file says what), and torchrun's SIGTERM, sent when a peer that learnt
+        # of the crash exited first, came while the process was ending: the job failed by the exception,
+        # whose exit code is Python's 1, not 143 (which would say a signal stopped a healthy job)
+        code = 1
     parts = [f"rank {first_rank} (local rank {first.local_rank}) failed with exit code {code}"
              + (f" ({error})" if error else "")]
     for rank, failure in ranked[1:]:
