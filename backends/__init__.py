@@ -47,6 +47,8 @@ from .vendor import VendorImport, import_vendor
 from .visible_devices import apply_visible_devices, parse_devices, visible_devices_value
 
 ENV_VAR = "XSHARD_BACKEND"
+#: the dry run's backend name (``backends/fake_group.py``; registered by ``python -m xshard.cli.dry_run``)
+DRY_RUN = "dry_run"
 log = logging.getLogger("xshard.backends")
 
 #: the built-in backends: name -> "module:Class"; modules are imported only when probed or used
@@ -206,6 +208,8 @@ def select(backend: str | None = None, env: Mapping[str, str] | None = None) -> 
     from_env = _normalise(env_raw, ENV_VAR) if env_raw is not None else "auto"
     from_arg = _normalise(backend, "backend") if backend is not None else "auto"
 
+    if from_env == DRY_RUN and from_arg != DRY_RUN:  # a dry run stands in for the backend the code or config names
+        return _explicit(from_env, f"{ENV_VAR}={env_raw}" + (f", standing in for {from_arg}" if from_arg != "auto" else ""))
     if from_env != "auto" and from_arg != "auto" and from_env != from_arg:
         raise BackendConflictError(
             f"the code asks for backend={backend!r} but the environment has {ENV_VAR}={env_raw!r}: "

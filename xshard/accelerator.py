@@ -57,11 +57,13 @@ from .accelerate_compat.accelerator_state import (
 )
 from .accelerate_compat.accelerator_surface import AccelerateSurface
 from .backends import Backend, select
+from .backends.fake_group import DryRunBackend
 from .checkpoint import auto_resume
 from .config.accelerate_args import AccelerateSettings, read_accelerate_args
 from .config.accelerate_config import load_config, read_config_source, resolved_ds_config
 from .runtime import grads
 from .runtime.data import ShardedDataLoader, shard_data_loader
+from .runtime.dry_run_report import DryRunReport
 from .runtime.job import JobState
 from .runtime.launch_marker import mark_accelerator_built
 from .runtime.mixed_precision import Precision
@@ -142,6 +144,8 @@ class Accelerator(AccelerateSurface):
         )
         log.info("backend %s (%s) on %s, %d process(es)", self.backend.name, selection.reason, self.device,
                  world.world_size)
+        if isinstance(self.backend, DryRunBackend) and self.backend.report_path is not None:
+            self.job.step_observers.append(DryRunReport(self.job, self.backend, self.backend.report_path))
 
         chosen_seed = seed if seed is not None else self.config.seed
         #: None when nothing seeds the processes; then prepare() broadcasts rank 0's weights

@@ -81,9 +81,16 @@ def _visible_devices(backend_cls: type[Backend], devices: str) -> tuple[dict[str
 def plan_launch(opts: LaunchOptions, env: Mapping[str, str] | None = None) -> LaunchPlan:
     """Check the options and decide how to start the job (no process is started).
 
-    The generic part lives here (config defaults, script, devices, process count, nodes); the
+    The generic part lives in ``job_request`` (config defaults, script, devices, process count, nodes); the
     backend's launcher adds what only its kind knows and the command (``Launcher.plan``).
     """
+    backend, request = job_request(opts, env)
+    return backend.launcher().plan(request)
+
+
+def job_request(opts: LaunchOptions, env: Mapping[str, str] | None = None) -> tuple[Backend, LaunchRequest]:
+    """The generic checks of `xshard launch` and what they decide: the backend, and the processes to start
+    with their program and variables (``xshard.cli.dry_run`` starts one of them itself)."""
     env = os.environ if env is None else env
     refuse_nested_launch(env)
     refuse_launcher_program(opts.script, opts.module, env)
@@ -143,7 +150,7 @@ def plan_launch(opts: LaunchOptions, env: Mapping[str, str] | None = None) -> La
         master_addr=master_addr, master_port=opts.master_port, max_restarts=opts.max_restarts,
         join_timeout=opts.join_timeout, env=child_env, parent_env=dict(env),
     )
-    return backend.launcher().plan(request)
+    return backend, request
 
 
 def trainer_switch(opts: LaunchOptions, env: Mapping[str, str]) -> bool:
@@ -379,6 +386,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run every transformers Trainer (and subclass: TRL's, a framework's) the program builds on "
                              "xshard, with no edit to the program (XSHARD_TRAINER=1 does the same; plain torchrun: "
                              "torchrun ... -m xshard.trainer.patch script.py)")
+    parser.add_argument("--dry-run", "--dry_run", action="store_true",
+                        help="run the script on this machine as ONE rank of the job these options describe (torch's "
+                             "fake process group), report its plan, state, collectives and checkpoint, and refuse "
+                             "what cannot start at that size (xshard.cli.dry_run)")
+    parser.add_argument("--dry_run_rank", "--dry-run-rank", type=int, default=0, help="the rank a dry run plays (0)")
+    parser.add_argument("--dry_run_steps", "--dry-run-steps", type=int, default=2,
+                        help="optimizer steps a dry run takes; the last one's collectives are reported (2)")
+    parser.add_argument("--device-memory", "--device_memory", default=None, metavar="SIZE",
+                        help="the target device's memory (64GB, 64GiB, as xshard estimate reads it): a dry run refuses "
+                             "a job whose model state and gathered units need more than a run may use of it")
+    parser.add_argument("--dry_run_report", "--dry-run-report", default=None, metavar="PATH",
+                        help="keep a dry run's report there, as JSON")
     parser.add_argument("-m", "--module", action="store_true", help="the script is a module name (python -m)")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -406,5 +425,19 @@ def launch_options(argv: Sequence[str]) -> LaunchOptions:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `xshard launch`; returns the job's exit code."""
+    """Run `xshard launch` (or its dry run); returns the job's exit code."""
+    if args.dry_run:
+        from xshard.backends import DRY_RUN
+        from xshard.backends.fake_group import register
+        from xshard.cli.dry_run import DryRunOptions, dry_run
+        from xshard.estimate import EstimateError, parse_memory
+
+        try:
+            memory = None if args.device_memory is None else parse_memory(args.device_memory)
+        except EstimateError as exc:
+            raise LaunchError(f"--device-memory: {exc}") from None
+        register()  # the dry run's backend, in this process too: the launch's checks select it
+        _, request = job_request(replace(options_from_args(args), backend=DRY_RUN))
+        return dry_run(request, DryRunOptions(rank=args.dry_run_rank, steps=args.dry_run_steps, device_memory=memory,
+                                              report=args.dry_run_report))
     return launch(options_from_args(args))

@@ -17,6 +17,7 @@ that are the same on every rank, so every rank synchronises at the same micro-st
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -112,6 +113,8 @@ class JobState:
     custom_objects: list[Stateful] = field(default_factory=list)
     #: tokens, samples and time per optimizer step (``xshard.runtime.throughput``)
     throughput: ThroughputMeter = field(default_factory=ThroughputMeter)
+    #: called with the job after each optimizer step (a dry run's report: ``xshard.runtime.dry_run_report``)
+    step_observers: list[Callable[[JobState], None]] = field(default_factory=list)
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -188,6 +191,8 @@ class JobState:
         self.clipped = False
         self.step += 1
         self.throughput.step_finished()
+        for observer in self.step_observers:
+            observer(self)
 
     def user_optimizers(self) -> list[torch.optim.Optimizer]:
         """The user's optimizers under the prepared ones (what the precision owner unscales and steps)."""

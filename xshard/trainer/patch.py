@@ -17,10 +17,9 @@ every Python process there, tools included), and an environment variable alone c
 
 from __future__ import annotations
 
-import os
-import runpy
 import sys
 
+from ..runtime.program import run_program
 from .switch import install
 
 USAGE = ("usage: python -m xshard.trainer.patch script.py [args...] | python -m xshard.trainer.patch -m module "
@@ -33,18 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit(USAGE)
     install()
-    if argv[0] == "-m":
-        module, rest = argv[1], argv[2:]
-        sys.argv = [module, *rest]  # runpy puts the module's file first
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        return
-    script, rest = argv[0], argv[1:]
-    if not os.path.isfile(script):
-        raise SystemExit(f"xshard.trainer.patch: the program {script!r} does not exist (give a script's path, "
-                         "or -m and a module name)")
-    sys.argv = [script, *rest]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` sets it
-    runpy.run_path(script, run_name="__main__")
+    run_program(argv, "xshard.trainer.patch")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,80 @@
+"""The dry run's backend: ONE rank of a job of any size, on this host's CPU, over torch's fake process group.
+
+`xshard launch --dry-run --nnodes 128 --nproc 8 train.py` runs the script once, as rank 0 (or
+``--dry_run_rank``) of 1,024, through ``python -m xshard.cli.dry_run``, which registers this backend as
+``dry_run`` in that process. Torch's fake process group (``torch.testing._internal.distributed.fake_pg``)
+answers every collective at once without moving data: an all-gather fills each rank's slot with this
+rank's input, a reduction leaves the input as it is. So everything that depends on the world's size is
+real (the shard geometry and its padding, the units, hybrid groups, the bytes of every collective, the
+state each rank holds) and no value is (the losses, the weights after a step).
+
+The collectives take the device libraries' own forms (NCCL and HCCL reduce-scatter and all-gather
+natively, average natively), not the gloo workarounds of the cpu backend, so the calls and bytes
+counted are those of the cluster's job. The hang diagnosis is off: no peer exists to wait for.
+
+What the run sets (``xshard.cli.dry_run`` sets them; this class is their one reader):
+``XSHARD_DRY_RUN`` (where the report goes), ``XSHARD_DRY_RUN_STEPS`` (optimizer steps to run, the last
+one measured) and ``XSHARD_DRY_RUN_DEVICE_MEMORY`` (the target device's bytes, to refuse a job that
+cannot fit; optional).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed as dist
+
+from . import DRY_RUN
+from .cpu import CPUBackend
+
+#: the variables of a dry run (set by ``xshard.cli.dry_run``)
+REPORT_ENV = "XSHARD_DRY_RUN"
+STEPS_ENV = "XSHARD_DRY_RUN_STEPS"
+DEVICE_MEMORY_ENV = "XSHARD_DRY_RUN_DEVICE_MEMORY"
+#: optimizer steps a dry run takes by default: the first warms up, the second is measured
+DEFAULT_STEPS = 2
+
+
+class DryRunBackend(CPUBackend):
+    """One rank of a job of ``WORLD_SIZE`` ranks on this host's CPU, over torch's fake process group."""
+
+    name = DRY_RUN
+    dist_backend = "fake"
+    native_avg = True  # as NCCL and HCCL: one average, no divide after a sum
+
+    @property
+    def report_path(self) -> str | None:
+        """Where the dry run's report goes (None: not a dry run started by ``xshard launch --dry-run``)."""
+        return os.environ.get(REPORT_ENV) or None
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps to run before the report (at least 1; the last one's collectives are reported)."""
+        return max(1, int(os.environ.get(STEPS_ENV, DEFAULT_STEPS)))
+
+    @property
+    def device_memory(self) -> int | None:
+        """The target device's memory in bytes (``--device_memory``), or None where none was given."""
+        text = os.environ.get(DEVICE_MEMORY_ENV)
+        return int(float(text)) if text else None
+
+    def max_processes_per_node(self) -> tuple[int, str]:
+        """Any count: a dry run starts one process, whatever ``--nproc`` says."""
+        return 1 << 20, "a dry run starts one process"
+
+    def process_group_options(self) -> dict[str, Any]:
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+        return {"store": dist.HashStore()}  # no rendezvous: no other rank will come
+
+    def collective_options(self) -> dict[str, Any]:
+        return {}  # the native forms, as on the cluster (not the cpu backend's gloo forms)
+
+
+def register() -> None:
+    """Make ``XSHARD_BACKEND=dry_run`` selectable in this process (idempotent)."""
+    from . import names, register_backend
+
+    if DRY_RUN not in names():
+        register_backend(DRY_RUN, f"{__name__}:DryRunBackend")
