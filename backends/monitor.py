@@ -41,6 +41,7 @@ import atexit
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -49,10 +50,13 @@ import weakref
 from typing import Any
 
 from .bounded_store import BoundedStore, StoreFailed, StoreUnreachable
+from .flight_recorder import FlightRecorder
 
 log = logging.getLogger("xshard.backends")
 
 _KEY = "xshard/progress/{rank}"
+#: a rank that failed asks every rank for its flight records here (``write_flight``)
+_FLIGHT_KEY = "xshard/flight/request"
 #: seconds between heartbeats when nothing else changed (a dead rank's stops advancing)
 HEARTBEAT = 2.0
 #: how long stopping a monitor waits for its thread's store call to return
@@ -79,7 +83,11 @@ class CollectiveMonitor:
     """Publishes this rank's collective progress and diagnoses waits that outlast 90% of ``timeout`` seconds
     (the process group's timeout, which the backend holds)."""
 
-    def __init__(self, store: Any, rank: int, world_size: int, timeout: float, interval: float = 1.0) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, timeout: float, interval: float = 1.0,
+                 flight: FlightRecorder | None = None) -> None:
+        #: the job's flight recorder (``flight_recorder.py``), written when the job fails
+        self.flight = flight
+        self._flight_answered = False
         self.timeout = float(timeout)
         self.deadline = 0.9 * self.timeout
         self.store = BoundedStore(store, bound=store_bound(self.timeout))
@@ -138,12 +146,40 @@ class CollectiveMonitor:
         except Exception:  # the store is gone or cut off: the peers will name this rank dead or unreachable
             pass
 
+    # ------------------------------------------------------------------ the flight records
+    def write_flight(self, reason: str, ask_peers: bool = False) -> None:
+        """Write this rank's flight records with ``reason`` and, with ``ask_peers``, ask every other rank to
+        write theirs (a key in the store that their monitor threads look for). Never raises."""
+        if self.flight is None:
+            return
+        path = self.flight.write(self.rank, reason)
+        if path is not None:
+            log.error("rank %d: its last %d collectives are in %s", self.rank, len(self.flight.entries), path)
+        if ask_peers:
+            text = json.dumps({"rank": self.rank, "reason": reason[:400]})
+            try:
+                self.store.run(lambda store: store.set(_FLIGHT_KEY, text))
+            except Exception:  # the store is gone or cut off: each rank still writes on its own failure
+                pass
+
+    def _answer_flight_request(self) -> None:
+        """Write this rank's records once another rank asked for every rank's (``write_flight``)."""
+        if self.flight is None or self._flight_answered:
+            return
+        asked = self.store.run(lambda store: store.get(_FLIGHT_KEY) if store.check([_FLIGHT_KEY]) else None)
+        if asked is not None:
+            self._flight_answered = True
+            request = json.loads(asked)
+            if request["rank"] != self.rank:
+                self.write_flight(f"rank {request['rank']} asked: {request['reason']}")
+
     # ------------------------------------------------------------------ monitor thread
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
                 self._publish()
                 self._learn_peers()
+                self._answer_flight_request()
             except StoreUnreachable:  # cut off: keep watching the deadline, whose message says so
                 pass
             except StoreFailed as exc:  # the store went away (job ending): stop quietly
@@ -159,6 +195,7 @@ class CollectiveMonitor:
                     dead, message = self.explain(number)
                     self._diagnosed_for, self._diagnosed_dead, self.diagnosis = number, dead, message
                     log.error("%s", message)
+                    self.write_flight(f"collective #{number} passed the hang deadline: {message}", ask_peers=True)
             except Exception as exc:  # a diagnosis that fails must not end the thread that publishes
                 log.debug("collective monitor: diagnosis failed: %s", exc)
 
@@ -209,8 +246,11 @@ class CollectiveMonitor:
         fails; it returns within a few store bounds and ``PATIENCE``, whatever the store does."""
         number = self.state[0]
         if self.diagnosis is not None and self._diagnosed_for == number:
-            return self._diagnosed_dead, self.diagnosis
-        return self.explain(number, closed=connection_closed(reported))
+            dead, message = self._diagnosed_dead, self.diagnosis
+        else:
+            dead, message = self.explain(number, closed=connection_closed(reported))
+        self.write_flight(f"collective #{number} failed ({reported}): {message}", ask_peers=True)
+        return dead, message
 
     def explain(self, number: int, closed: bool = False) -> tuple[bool, str]:
         """Where every rank is while this one waits in collective ``number``, naming the lost ones as
@@ -381,10 +421,27 @@ def _report_crashes() -> None:
     def hook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
         for monitor in list(_running):
             monitor.publish_crash(error)
+            monitor.write_flight(f"this rank's script ended with {monitor.crashed}", ask_peers=True)
         _tell_the_launcher(error, tb)
         previous(kind, error, tb)
 
     sys.excepthook = hook
+    _answer_sigusr1()
+
+
+def _answer_sigusr1() -> None:
+    """``kill -USR1 <pid>`` writes the process's flight records (when its main thread runs Python: a rank blocked
+    in a collective writes them when another rank's failure asks). Only where nothing else answers SIGUSR1."""
+    if not hasattr(signal, "SIGUSR1") or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL:
+        return
+
+    def write(signum: int, frame: Any) -> None:
+        for monitor in list(_running):
+            monitor.write_flight("asked with SIGUSR1")
+
+    signal.signal(signal.SIGUSR1, write)
 
 
 def _tell_the_launcher(error: BaseException, tb: Any) -> None:

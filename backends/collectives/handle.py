@@ -7,12 +7,14 @@ A wait that fails (a timeout, a peer that died mid-collective) is explained by t
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
 from ...errors import CollectiveTimeoutError, RankDiedError
+from ..flight_recorder import FlightEntry
 from ..monitor import CollectiveMonitor
 
 if TYPE_CHECKING:
@@ -50,7 +52,7 @@ class Handle:
     average, or the copy of this rank's slice out of an all-reduce).
     """
 
-    __slots__ = ("_works", "_finish", "_output", "_done", "_monitor", "_label", "_counted")
+    __slots__ = ("_works", "_finish", "_output", "_done", "_monitor", "_label", "_counted", "_entry")
 
     def __init__(self, works: Sequence[Work | Handle | None], output: Output,
                  finish: Callable[[], object] | None = None) -> None:
@@ -62,16 +64,24 @@ class Handle:
         self._label: tuple[int, str] = (0, "")
         #: counted in ``IN_FLIGHT`` until waited (async handles handed to a caller)
         self._counted = False
+        #: this collective's flight-recorder entry (its wait's start and end are marked on it)
+        self._entry: FlightEntry | None = None
 
-    def watch(self, monitor: CollectiveMonitor | None, number: int, description: str) -> Handle:
-        """Report waits on this handle to ``monitor`` as collective ``number`` (see ``backends.monitor``)."""
-        self._monitor, self._label = monitor, (number, description)
+    def watch(self, monitor: CollectiveMonitor | None, number: int, description: str,
+              entry: FlightEntry | None = None) -> Handle:
+        """Report waits on this handle to ``monitor`` as collective ``number`` (see ``backends.monitor``),
+        and mark them on its flight-recorder ``entry``."""
+        self._monitor, self._label, self._entry = monitor, (number, description), entry
+        if self._done and entry is not None:  # finished as it was issued (a world of one)
+            entry.wait_started = entry.ended = entry.issued
         return self
 
     def wait(self) -> Output:
         """Block until the work is done (then run ``finish`` once); the output, or None for a barrier."""
         if not self._done:
-            monitor = self._monitor
+            monitor, entry = self._monitor, self._entry
+            if entry is not None:
+                entry.wait_started = time.time()
             if monitor is not None:
                 monitor.waiting(*self._label)
             try:
@@ -88,6 +98,8 @@ class Handle:
             finally:
                 if monitor is not None:
                     monitor.done(*self._label)
+            if entry is not None:
+                entry.ended = time.time()
             if self._finish is not None:
                 self._finish()
             # what the work held (an exchange's inbox, a packing buffer) is not needed any more

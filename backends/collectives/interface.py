@@ -31,6 +31,7 @@ from typing import Literal, overload
 
 import torch
 
+from ..flight_recorder import FlightEntry, FlightRecorder
 from ..monitor import CollectiveMonitor
 from .accounting import CommCounter, _nbytes
 from .handle import IN_FLIGHT, Handle, _finished
@@ -58,12 +59,17 @@ class Collectives:
 
     rank: int = 0
     world_size: int = 1
+    #: the ranks this object's collectives run over, as the flight recorder names them
+    group_name: str = "world"
     #: where this process's collective buffers live (NCCL and HCCL move device tensors only)
     device: torch.device = torch.device("cpu")
 
     def __init__(self) -> None:
         self.counter = CommCounter()
         self.trace = CollectiveTrace()
+        #: the last collectives, with their times, written when the job fails (``flight_recorder.py``)
+        self.flight = FlightRecorder()
+        self._entry: FlightEntry | None = None
         #: collectives issued by this process, ever (numbers them for the hang diagnosis)
         self.issued = 0
         self._label = ""
@@ -85,6 +91,7 @@ class Collectives:
         self._books = books
         self.counter = books.counter
         self.trace = books.trace
+        self.flight = books.flight
         self.kind_suffix = kind_suffix
         return self
 
@@ -216,7 +223,8 @@ class Collectives:
         """
         books = self._books
         books.issued += 1
-        self._barrier().watch(books.monitor, books.issued, "barrier").wait()
+        entry = books.flight.issue(books.issued, "barrier", None, self.group_name, 0)
+        self._barrier().watch(books.monitor, books.issued, "barrier", entry).wait()
 
     def _barrier(self) -> Handle:
         return _finished(None)
@@ -237,6 +245,7 @@ class Collectives:
         books.trace.record(kind, tag, numel)
         books.issued += 1
         books._label = tag or kind
+        books._entry = books.flight.issue(books.issued, kind, tag, self.group_name, nbytes)
 
     def _pre_average(self, op: str, dtype: torch.dtype, inputs: list[torch.Tensor]) -> tuple[str, float]:
         """The op to issue for ``op`` on ``inputs``, pre-dividing them where ``average_factors`` says;
@@ -263,7 +272,7 @@ class Collectives:
 
     def _result(self, handle: Handle, async_op: bool) -> Handle | None:
         books = self._books
-        handle.watch(books.monitor, books.issued, books._label)
+        handle.watch(books.monitor, books.issued, books._label, books._entry)
         if async_op:
             IN_FLIGHT.add(1)
             handle._counted = True

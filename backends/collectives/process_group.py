@@ -124,10 +124,13 @@ class DistCollectives(Collectives):
         self.all_gather_via_broadcast = all_gather_via_broadcast
         self._global_ranks = [dist.get_global_rank(group, r) if group is not None else r
                               for r in range(self.world_size)]
+        if group is not None:
+            self.group_name = _ranks_text(self._global_ranks)
         if timeout is not None and self.world_size > 1 and group is None and monitor_enabled():
             store = _job_store()
             if store is not None:
-                self.monitor = CollectiveMonitor(store, self.rank, self.world_size, timeout=timeout)
+                self.monitor = CollectiveMonitor(store, self.rank, self.world_size, timeout=timeout,
+                                                 flight=self.flight)
 
     def _dist_op(self, op: str) -> tuple[dist.ReduceOp.RedOpType, float | None]:
         """The process-group op and the divisor to apply afterwards (SUM-then-divide for AVG)."""
@@ -305,6 +308,13 @@ class DistCollectives(Collectives):
             return (f"ranks issued different collectives since the last optimizer step (this rank issued "
                     f"{self.trace.count}; the others' lists could not be read: {exc}). " + _MISMATCH_HINT)
         return describe_mismatch(traces) + " " + _MISMATCH_HINT
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """Global ranks as the flight recorder names a group: "ranks 8-15", "ranks 0,8,16"."""
+    if ranks == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ",".join(map(str, ranks))
 
 
 def monitor_enabled() -> bool:

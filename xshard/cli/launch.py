@@ -302,13 +302,34 @@ def launch(opts: LaunchOptions) -> int:
     for stale in sweep_stale():  # what launchers killed with SIGKILL left behind
         log.info("removed %s, left by a launcher that was killed", stale)
     log.info("launching: %s", plan.describe())
+    flights = flight_records_dir(plan.env, os.environ)
     with job_temp_dir("launch") as markers:
         plan.env[MARKER_ENV] = markers
         code = run_plan(plan)
+        written = sorted(flights.glob("rank*.json")) if flights.is_dir() else []
+        if written:  # a rank failed, hung or was asked: where each rank's last collectives are
+            print(f"xshard launch: the last collectives of {len(written)} rank(s) of this node are in {flights} "
+                  "(rank<R>.json: each collective's number, kind, group, bytes and times; in_flight: the ones it "
+                  "waited in)", file=sys.stderr)
         if not accelerator_was_built(markers) and not plan.failed_before_scripts:
             fix = program_fix(opts.script, opts.module, switch=trainer_switch(opts, os.environ))
             print(not_on_xshard_message(plan.env, os.environ, failed=code != 0, fix=fix), file=sys.stderr)
     return code
+
+
+def flight_records_dir(child_env: dict[str, str], env: Mapping[str, str]) -> Path:
+    """The folder the job's ranks write their flight records to (``backends/flight_recorder.py``): the user's
+    ``XSHARD_FLIGHT_DIR``, else one of this launch's own in the temporary directory, set for the children."""
+    from xshard.backends.flight_recorder import DIR_ENV
+
+    if env.get(DIR_ENV):
+        return Path(env[DIR_ENV])
+    import tempfile
+    import time
+
+    folder = Path(tempfile.gettempdir()) / f"xshard-flight-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    child_env[DIR_ENV] = str(folder)
+    return folder
 
 
 def not_on_xshard_message(child_env: Mapping[str, str], env: Mapping[str, str], failed: bool = False,
