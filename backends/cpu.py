@@ -40,8 +40,9 @@ class CPUBackend(Backend):
         """TFLOPS of square ``size`` matmuls in ``dtype`` over ``seconds``, with torch's threads: what this CPU
         really does (no vendor figure fits a shared or throttled host)."""
         dtype = dtype or torch.float32
-        a = torch.randn(size, size).to(dtype)
-        b = torch.randn(size, size).to(dtype)
+        own = torch.Generator().manual_seed(0)  # never the script's random stream (its dropout, its sampling)
+        a = torch.randn(size, size, generator=own).to(dtype)
+        b = torch.randn(size, size, generator=own).to(dtype)
         a @ b  # warm-up
         count, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:

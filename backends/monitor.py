@@ -88,6 +88,7 @@ class CollectiveMonitor:
         #: the job's flight recorder (``flight_recorder.py``), written when the job fails
         self.flight = flight
         self._flight_answered = False
+        self._flight_logged = False
         self.timeout = float(timeout)
         self.deadline = 0.9 * self.timeout
         self.store = BoundedStore(store, bound=store_bound(self.timeout))
@@ -153,7 +154,8 @@ class CollectiveMonitor:
         if self.flight is None:
             return
         path = self.flight.write(self.rank, reason)
-        if path is not None:
+        if path is not None and not self._flight_logged:  # later writes (the same failure, later) update the file
+            self._flight_logged = True
             log.error("rank %d: its last %d collectives are in %s", self.rank, len(self.flight.entries), path)
         if ask_peers:
             text = json.dumps({"rank": self.rank, "reason": reason[:400]})

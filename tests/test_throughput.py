@@ -142,3 +142,14 @@ def test_the_trainers_log_lines_carry_the_throughput(tmp_path, monkeypatch: pyte
     assert [sorted(k for k in line if k in ("train_tokens_per_second_per_device", "train_tflops_per_device", "mfu"))
             for line in lines] == [["mfu", "train_tflops_per_device", "train_tokens_per_second_per_device"]] * 2
     assert all(line["mfu"] == pytest.approx(line["train_tflops_per_device"]) for line in lines)
+
+
+def test_the_cpu_peak_probe_never_draws_from_the_scripts_random_stream(clean_env):
+    # it runs at the first throughput report, in the middle of training: a draw there moved every later
+    # dropout mask and sampled completion (TRL's GRPO steps differed from the stock trainer's from step 2)
+    from xshard.backends import get_backend
+
+    backend = get_backend("cpu")
+    before = torch.get_rng_state().clone()
+    assert backend.measured_peak_tflops(torch.float32, size=64, seconds=0.01) > 0
+    assert torch.equal(torch.get_rng_state(), before)

@@ -454,8 +454,17 @@ def share_with_accelerate(accelerator: Any) -> bool:
         _warn_once("accelerate.state is laid out differently from the Accelerate versions xshard knows, so "
                    "accelerate.logging.get_logger will not find this job's processes: " + _ACCELERATE_FIX)
         return False
-    if partial and not partial.get(_SHARED_MARK):
-        return False  # Accelerate's own state, built by the script: leave it alone
+    # Accelerate's own process state (the script built one, or transformers' TrainingArguments did) is left
+    # alone; its AcceleratorState, which only an ``accelerate.Accelerator`` fills, is filled when empty: TRL's
+    # GRPOTrainer calls ``accelerate.utils.set_seed(device_specific=True)``, which reads it
+    own_partial = bool(partial) and not partial.get(_SHARED_MARK)
+    if own_partial and (partial.get("num_processes"), partial.get("process_index")) != (accelerator.world_size,
+                                                                                        accelerator.rank):
+        # built for another world (one process, before this job joined it): Accelerate's free functions would
+        # act alone on every rank (TRL's GRPOTrainer gathers its rewards with accelerate.utils.gather)
+        own_partial = False
+    if own_partial and full:
+        return False
     ours = accelerator.state.distributed_type
     distributed_type = getattr(accelerate_types, ours.value, None) or (
         accelerate_types.NO if accelerator.world_size == 1 else accelerate_types.MULTI_CPU)
@@ -467,8 +476,9 @@ def share_with_accelerate(accelerator: Any) -> bool:
         "local_process_index": accelerator.local_rank, "num_processes": accelerator.world_size,
         "process_index": accelerator.rank, _SHARED_MARK: True,
     }
-    partial.clear()
-    partial.update(facts)
+    if not own_partial:
+        partial.clear()
+        partial.update(facts)
     full.clear()
     full.update(facts, fsdp_plugin=accelerator.state.fsdp_plugin, deepspeed_plugin=accelerator.state.deepspeed_plugin,
                 deepspeed_plugins=None, megatron_lm_plugin=None, dynamo_plugin=None, torch_tp_plugin=None,
