@@ -1,7 +1,7 @@
 """TRL's trainers beyond SFT through ``xshard.trainer.TrainerMixin``, their own configs unchanged, checkpoints on:
 ``GRPOTrainer`` (generation in every step at stage 3, a reward function, rewards gathered across ranks with
-Accelerate's own ``gather``) and ``DPOTrainer`` (a reference model TRL copies from the model, sharded beside
-it). The anchor is TRL's stock trainer running the same script (on Accelerate's DDP for 2 processes): the
+Accelerate's own ``gather``), ``DPOTrainer`` (a reference model TRL copies from the model, sharded beside
+it) and ``RewardTrainer`` (a sequence-classification model). The anchor is TRL's stock trainer running the same script (on Accelerate's DDP for 2 processes): the
 per-step losses, rewards and gradient norms are equal.
 
 Found by this test: the throughput report's CPU peak probe drew from the script's random stream (so the second
@@ -25,7 +25,8 @@ pytestmark = pytest.mark.multiprocess
 ROOT = Path(__file__).resolve().parent.parent
 SUPPORT = Path(__file__).resolve().parent / "support"
 #: each trainer's script, and the logged value beside the loss and gradient norm that says it learnt alike
-SCRIPTS = {"grpo": ("trl_grpo_script.py", "reward"), "dpo": ("trl_dpo_script.py", "rewards/margins")}
+SCRIPTS = {"grpo": ("trl_grpo_script.py", "reward"), "dpo": ("trl_dpo_script.py", "rewards/margins"),
+           "reward": ("trl_reward_script.py", "margin")}
 DATA = ROOT / "examples" / "qwen_finetune" / "data" / "alpaca_synthetic.json"
 
 
