@@ -48,7 +48,7 @@ import torch
 from .._version import __version__
 from ..runtime.rank_logging import get_logger
 from . import async_save as background
-from . import foreign, formats, output_lock
+from . import foreign, formats, output_lock, trainer_folder
 from .files import (
     FORMAT_VERSION,
     MANIFEST,
@@ -403,6 +403,8 @@ def _read_everything(job: JobState, root: Path, on_bytes: Any = None) -> dict[st
     """Read and check all this rank needs from the checkpoint; change nothing."""
     if not (root / MANIFEST).is_file() and foreign.is_foreign_checkpoint(root):
         return foreign.read_plan(job, root)
+    if not (root / MANIFEST).is_file() and trainer_folder.is_trainer_checkpoint(root):
+        return trainer_folder.read_plan(job, root)
     manifest = read_manifest(root)
     kind = manifest.get("state_dict_type")
     if kind not in formats.STATE_DICT_TYPES:
@@ -573,7 +575,8 @@ def _apply(job: JobState, plan: dict[str, Any], root: Path) -> None:
             obj.load_state_dict(state)
         raise
     for model, rows in zip(job.models, plan["models"], strict=True):
-        load_local_pieces(model, rows)
+        if rows is not None:  # None: a model the checkpoint does not hold (trainer_folder.py) keeps its weights
+            load_local_pieces(model, rows)
     for opt, state in zip(job.optimizers, plan["optimizers"], strict=True):
         if state is not None:
             opt.load_state_dict(state)

@@ -79,6 +79,28 @@ class SafetensorsSource(DictSource):
         return self.handle.get_slice(key)[start:stop]
 
 
+class SafetensorsFilesSource(DictSource):
+    """Tensors of a model saved in several safetensors files (``model.safetensors.index.json``'s ``weight_map``:
+    each key's file), read by rows."""
+
+    def __init__(self, folder: Path, files: dict[str, Path]) -> None:
+        self.folder, self.file = folder, folder
+        opened = {path: SafetensorsSource(folder, path) for path in sorted(set(files.values()))}
+        self.by_key = {key: opened[path] for key, path in files.items()}
+
+    def keys(self) -> list[str]:
+        return list(self.by_key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.by_key[key].shape(key)
+
+    def dtype(self, key: str) -> torch.dtype | None:
+        return self.by_key[key].dtype(key)
+
+    def rows(self, key: str, start: int, stop: int, where: str) -> torch.Tensor:
+        return self.by_key[key].rows(key, start, stop, where)
+
+
 class DcpSource(DictSource):
     """Tensors of a torch.distributed.checkpoint folder under one prefix path (``("model",)`` or
     ``("optimizer", "state")``), named as the state dict names them, read by rows."""

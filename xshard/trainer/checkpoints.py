@@ -28,11 +28,11 @@ from typing import Any
 from xshard.checkpoint import load_state, save_state
 from xshard.checkpoint.consolidate import consolidated_state_dict
 from xshard.checkpoint.files import MANIFEST, read_manifest
+from xshard.checkpoint.trainer_folder import TRAINER_STATE, is_trainer_checkpoint
 from xshard.runtime.job import JobState
 
 __all__ = ["TRAINER_STATE", "latest", "load_job_state", "load_model_weights", "rotate", "save_job_state"]
 
-TRAINER_STATE = "trainer_state.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _DELETED = ".deleted"
 
@@ -56,10 +56,11 @@ def load_job_state(job: JobState, folder: str | os.PathLike, scheduler: Any) -> 
     """Restore what ``save_job_state`` wrote (on any world size and stage for the default ``full`` and
     ``sharded`` checkpoints); the optimizer and scheduler too when the checkpoint has them."""
     root = Path(folder)
-    if not (root / MANIFEST).is_file():
-        raise ValueError(f"{root} is not a checkpoint written by xshard's Trainer (no {MANIFEST}): resume from a "
-                         "checkpoint-N folder this Trainer saved")
-    with_optimizer = int(read_manifest(root).get("optimizers", 0)) > 0
+    stock = not (root / MANIFEST).is_file() and is_trainer_checkpoint(root)  # the stock Trainer's (trainer_folder.py)
+    if not (root / MANIFEST).is_file() and not stock:
+        raise ValueError(f"{root} is not a checkpoint written by a Trainer (neither xshard's {MANIFEST} nor the stock "
+                         f"Trainer's {TRAINER_STATE} with its model): resume from a checkpoint-N folder a Trainer saved")
+    with_optimizer = (root / "optimizer.pt").is_file() if stock else int(read_manifest(root).get("optimizers", 0)) > 0
     view = _view(job, scheduler, with_optimizer)
     load_state(view, root)
     job.step, job.micro_step = view.step, view.micro_step
@@ -72,8 +73,8 @@ def load_model_weights(model: Any, folder: str | os.PathLike[str]) -> None:
 
 
 def is_complete(folder: Path) -> bool:
-    """A checkpoint with xshard's manifest and the Trainer's state."""
-    return (folder / MANIFEST).is_file() and (folder / TRAINER_STATE).is_file()
+    """A checkpoint with xshard's manifest and the Trainer's state, or one the stock Trainer wrote whole."""
+    return ((folder / MANIFEST).is_file() and (folder / TRAINER_STATE).is_file()) or is_trainer_checkpoint(folder)
 
 
 def latest(output_dir: str | os.PathLike) -> Path | None:
