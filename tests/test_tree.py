@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "xshard"
 
 #: the top of xshard/: the user API (what a script calls) and nothing of the job machinery
-USER_API_MODULES = {"__init__", "__main__", "_version", "accelerator", "pretrained", "estimate", "static_shapes",
-                    "errors"}
+USER_API_MODULES = {"__init__", "__main__", "_version", "accelerator", "pretrained", "estimate", "step_time",
+                    "static_shapes", "errors"}
 
 #: module names that appear twice, each pair one meaning seen from two layers (anything else is a collision)
 SAME_MEANING = {

@@ -3,6 +3,7 @@
     xshard estimate --model ./qwen1.5_7b_chat --nproc 8 --stage 3 --device-memory 64GB
     xshard estimate --model config.json --nproc 8            # all four stages side by side
     xshard estimate --model ./model --nproc 8 --stage 2 --offload --grad-ckpt --json
+    xshard estimate --model ./model --nproc 64 --stage 3 --seq-len 8192 --machine h100   # and the step time
 
 The parameter count comes from the folder's .safetensors headers (no weights are loaded) or from the
 config.json values. Sizes are in GB (10^9 bytes), per device; "host" is CPU memory per process.
@@ -31,6 +32,7 @@ from xshard.estimate import (
     parse_stage,
 )
 from xshard.sharding.plan import ShardingPlan
+from xshard.step_time import COMM_EFFICIENCY, DEFAULT_MFU, MACHINES, StepTime, predict
 
 ROWS = [("parameters", "params"), ("gradients", "grads"), ("optimizer states", "optimizer"),
         ("gathered units (transient)", "gathered"), ("activations", "activations"), ("total per device", "total"),
@@ -65,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sdpa: fused attention, no seq x seq matrices kept; eager: they are kept")
     parser.add_argument("--device-memory", type=_typed(parse_memory), default=None,
                         help="memory of one device, e.g. 64GB or 80GiB: say whether the run fits")
+    parser.add_argument("--machine", choices=sorted(MACHINES), default=None,
+                        help="predict the step time on these machines (peak, links: xshard.step_time.MACHINES, with "
+                             "their sources); --nproc devices over as many nodes as that takes")
+    parser.add_argument("--mfu", type=float, default=DEFAULT_MFU,
+                        help=f"the fraction of the peak the model's compute reaches (default {DEFAULT_MFU}; "
+                             "accelerator.throughput() measures yours)")
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
 
 
@@ -102,6 +110,22 @@ def _table(estimates: list[MemoryEstimate]) -> str:
     return "\n".join(lines)
 
 
+def _time_table(args: argparse.Namespace, estimates: list[MemoryEstimate], times: list[StepTime]) -> str:
+    machine = MACHINES[args.machine]
+    nodes = -(-args.nproc // machine.devices_per_node)
+    width = max(len(label) for label, _ in ROWS) + 2
+    lines = [f"\nstep time on {args.nproc} {args.machine} device(s), {nodes} node(s) ({machine.source}); "
+             f"MFU {args.mfu:.2f} assumed, links at {COMM_EFFICIENCY:.0%} of their speed; "
+             f"{times[0].flops_per_token / 1e9:.1f} GFLOPs a token (6N + 12*L*d*s)",
+             f"{'seconds':<{width}}" + "".join(f"{'stage ' + str(e.stage):>10}" for e in estimates)]
+    for label, value in (("compute", lambda t: f"{t.compute_s:.3f}"), ("communication", lambda t: f"{t.comm_s:.3f}"),
+                         ("step (overlapped)", lambda t: f"{t.step_s:.3f}"),
+                         ("tokens/s per device", lambda t: f"{t.tokens_per_s_per_device:,.0f}"),
+                         ("bound by", lambda t: t.bound[:7] if t.bound == "compute" else "comm")):
+        lines.append(f"{label:<{width}}" + "".join(f"{value(t):>10}" for t in times))
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the estimate. Exit status 0, or 1 when --stage and --device-memory are given and it does not fit."""
     size = load_model_size(args.model)
@@ -113,11 +137,22 @@ def run(args: argparse.Namespace) -> int:
                         args.grad_ckpt, args.attention, args.device_memory)
         for stage in stages
     ]
+    times = [] if args.machine is None else [
+        predict(size, e.stage, args.nproc, MACHINES[args.machine], micro_batch=args.micro_batch, seq_len=args.seq_len,
+                dtype=args.dtype, mfu=args.mfu) for e in estimates]
     if args.json:
         settings = {k: getattr(args, k) for k in ("nproc", "dtype", "offload", "micro_batch", "seq_len", "grad_ckpt",
-                                                  "attention", "device_memory")}
-        print(json.dumps(estimate_to_dict(size, estimates, settings), indent=2))
+                                                  "attention", "device_memory", "machine", "mfu")}
+        out = estimate_to_dict(size, estimates, settings)
+        if times:
+            out["step_time"] = [{"stage": e.stage, "compute_s": t.compute_s, "comm_s": t.comm_s, "step_s": t.step_s,
+                                 "tokens_per_s_per_device": t.tokens_per_s_per_device, "bound": t.bound,
+                                 "comm_bytes_per_device": t.comm_bytes_per_device,
+                                 "flops_per_token": t.flops_per_token} for e, t in zip(estimates, times, strict=True)]
+        print(json.dumps(out, indent=2))
     else:
         print(_header(size, args))
         print(_table(estimates))
+        if times:
+            print(_time_table(args, estimates, times))
     return 1 if args.stage is not None and estimates[0].fits is False else 0
