@@ -23,23 +23,21 @@ from support.side_by_side import side_by_side
 pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parent.parent
-SUPPORT = Path(__file__).resolve().parent / "support"
-#: each trainer's script, and the logged value beside the loss and gradient norm that says it learnt alike
-SCRIPTS = {"grpo": ("trl_grpo_script.py", "reward"), "dpo": ("trl_dpo_script.py", "rewards/margins"),
-           "reward": ("trl_reward_script.py", "margin")}
+SCRIPT = Path(__file__).resolve().parent / "support" / "trl_trainers_script.py"
+#: each trainer's logged value, beside the loss and gradient norm, that says it learnt alike
+LEARNT = {"grpo": "reward", "dpo": "rewards/margins", "reward": "margin"}
 DATA = ROOT / "examples" / "qwen_finetune" / "data" / "alpaca_synthetic.json"
 
 
 def _run(kind: str, command: list[str], out: Path, trainer: str, *extra: str,
          **env_extra: str) -> list[tuple[float, ...]]:
-    script, learnt = SCRIPTS[kind]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
     env.update(SFT_TRAINER=trainer, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env_extra)
-    proc = subprocess.run([*command, str(SUPPORT / script), *extra], capture_output=True, text=True, timeout=270,
+    proc = subprocess.run([*command, str(SCRIPT), kind, *extra], capture_output=True, text=True, timeout=270,
                           cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     history = json.loads((out / "log_history.json").read_text())
-    return [(h["loss"], h[learnt], h["grad_norm"]) for h in history if "loss" in h]
+    return [(h["loss"], h[LEARNT[kind]], h["grad_norm"]) for h in history if "loss" in h]
 
 
 def _equal(ours: list[tuple[float, ...]], stock: list[tuple[float, ...]]) -> None:
@@ -48,7 +46,7 @@ def _equal(ours: list[tuple[float, ...]], stock: list[tuple[float, ...]]) -> Non
         assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-7), f"step {step}: {mine} != {theirs}"
 
 
-@pytest.mark.parametrize("kind", sorted(SCRIPTS))
+@pytest.mark.parametrize("kind", sorted(LEARNT))
 def test_trls_trainer_through_the_mixin_gives_its_steps_in_one_process(tiny_model, tmp_path, kind):
     args = [str(tiny_model), str(DATA)]
     stock, ours = side_by_side(
@@ -57,7 +55,7 @@ def test_trls_trainer_through_the_mixin_gives_its_steps_in_one_process(tiny_mode
     _equal(ours, stock)
 
 
-@pytest.mark.parametrize("kind", sorted(SCRIPTS))
+@pytest.mark.parametrize("kind", sorted(LEARNT))
 def test_trls_trainer_at_stage_3_on_two_processes_gives_its_ddp_steps_and_saves_checkpoints(tiny_model, tmp_path,
                                                                                            kind):
     args = [str(tiny_model), str(DATA)]
