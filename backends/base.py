@@ -29,6 +29,7 @@ from .cluster import detect
 from .collectives import Collectives
 from .communication import CommunicationAPI
 from .device import DeviceAPI, StepPatch
+from .dry_run_settings import DryRunSettings
 from .environment import env_override
 from .world import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, World
 
@@ -128,6 +129,11 @@ class Backend(DeviceAPI, CommunicationAPI):
         return added
 
     # ------------------------------------------------------------------ launching
+    def dry_run(self) -> DryRunSettings | None:
+        """What a dry run asks of this job (its report, steps, the target's memory: ``dry_run_settings.py``);
+        None for a real job. Only the dry run's backend (``fake_group.py``) answers."""
+        return None
+
     def launcher(self) -> Launcher:
         """How `xshard launch` starts this backend's processes (default: torchrun, one per device)."""
         from .launchers.torchrun import TorchrunLauncher

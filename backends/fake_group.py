@@ -12,28 +12,18 @@ The collectives take the device libraries' own forms (NCCL and HCCL reduce-scatt
 natively, average natively), not the gloo workarounds of the cpu backend, so the calls and bytes
 counted are those of the cluster's job. The hang diagnosis is off: no peer exists to wait for.
 
-What the run sets (``xshard.cli.dry_run`` sets them; this class is their one reader):
-``XSHARD_DRY_RUN`` (where the report goes), ``XSHARD_DRY_RUN_STEPS`` (optimizer steps to run, the last
-one measured) and ``XSHARD_DRY_RUN_DEVICE_MEMORY`` (the target device's bytes, to refuse a job that
-cannot fit; optional).
+What the run sets (``xshard.cli.dry_run``): ``dry_run_settings.py``, read through ``dry_run()``.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch.distributed as dist
 
 from . import DRY_RUN
 from .cpu import CPUBackend
-
-#: the variables of a dry run (set by ``xshard.cli.dry_run``)
-REPORT_ENV = "XSHARD_DRY_RUN"
-STEPS_ENV = "XSHARD_DRY_RUN_STEPS"
-DEVICE_MEMORY_ENV = "XSHARD_DRY_RUN_DEVICE_MEMORY"
-#: optimizer steps a dry run takes by default: the first warms up, the second is measured
-DEFAULT_STEPS = 2
+from .dry_run_settings import DryRunSettings
 
 
 class DryRunBackend(CPUBackend):
@@ -43,21 +33,9 @@ class DryRunBackend(CPUBackend):
     dist_backend = "fake"
     native_avg = True  # as NCCL and HCCL: one average, no divide after a sum
 
-    @property
-    def report_path(self) -> str | None:
-        """Where the dry run's report goes (None: not a dry run started by ``xshard launch --dry-run``)."""
-        return os.environ.get(REPORT_ENV) or None
-
-    @property
-    def steps(self) -> int:
-        """Optimizer steps to run before the report (at least 1; the last one's collectives are reported)."""
-        return max(1, int(os.environ.get(STEPS_ENV, DEFAULT_STEPS)))
-
-    @property
-    def device_memory(self) -> int | None:
-        """The target device's memory in bytes (``--device_memory``), or None where none was given."""
-        text = os.environ.get(DEVICE_MEMORY_ENV)
-        return int(float(text)) if text else None
+    def dry_run(self) -> DryRunSettings | None:
+        """The dry run's settings (``dry_run_settings.py``), from the environment its launcher set."""
+        return DryRunSettings.from_env()
 
     def max_processes_per_node(self) -> tuple[int, str]:
         """Any count: a dry run starts one process, whatever ``--nproc`` says."""

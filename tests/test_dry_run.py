@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.deadline import fit
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,7 +27,7 @@ def _launch(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("XSHARD_")}
     env["PYTHONPATH"] = str(ROOT)
     return subprocess.run([sys.executable, "-m", "xshard", "launch", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=fit(240))
+                          cwd=cwd, env=env, timeout=240)
 
 
 def _dry(tmp_path: Path, *args: str, script_args: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, dict]:

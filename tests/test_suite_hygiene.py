@@ -43,7 +43,8 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 MARGIN_S = 30
 
 #: calls whose ``timeout=`` is not a wait of the test (a process group's or a socket's own timeout)
-NOT_WAITS = {"init_process_group", "Accelerator", "InitProcessGroupKwargs", "create_connection", "timedelta"}
+NOT_WAITS = {"init_process_group", "Accelerator", "InitProcessGroupKwargs", "create_connection", "timedelta",
+             "TCPStore"}
 
 
 def ini_timeout() -> float:

@@ -57,7 +57,6 @@ from .accelerate_compat.accelerator_state import (
 )
 from .accelerate_compat.accelerator_surface import AccelerateSurface
 from .backends import Backend, select
-from .backends.fake_group import DryRunBackend
 from .checkpoint import auto_resume
 from .config.accelerate_args import AccelerateSettings, read_accelerate_args
 from .config.accelerate_config import load_config, read_config_source, resolved_ds_config
@@ -144,8 +143,9 @@ class Accelerator(AccelerateSurface):
         )
         log.info("backend %s (%s) on %s, %d process(es)", self.backend.name, selection.reason, self.device,
                  world.world_size)
-        if isinstance(self.backend, DryRunBackend) and self.backend.report_path is not None:
-            self.job.step_observers.append(DryRunReport(self.job, self.backend, self.backend.report_path))
+        dry_run = self.backend.dry_run()
+        if dry_run is not None:  # xshard launch --dry-run: report after its steps (runtime/dry_run_report.py)
+            self.job.step_observers.append(DryRunReport(self.job, dry_run))
 
         chosen_seed = seed if seed is not None else self.config.seed
         #: None when nothing seeds the processes; then prepare() broadcasts rank 0's weights

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from xshard.backends import DRY_RUN, ENV_VAR
-from xshard.backends.fake_group import DEVICE_MEMORY_ENV, REPORT_ENV, STEPS_ENV, register
+from xshard.backends.dry_run_settings import DEVICE_MEMORY_ENV, REPORT_ENV, STEPS_ENV
+from xshard.backends.fake_group import register
 from xshard.backends.launchers import LaunchError, LaunchRequest
 from xshard.backends.world import DEFAULT_MASTER_ADDR
 from xshard.estimate import USABLE_FRACTION

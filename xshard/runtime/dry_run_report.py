@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..backends.fake_group import DryRunBackend
+    from ..backends.dry_run_settings import DryRunSettings
     from .job import JobState
 
 #: what a dry run cannot tell, said in every report
@@ -49,10 +49,10 @@ class DryRunFinished(SystemExit):
 class DryRunReport:
     """Watches a job's optimizer steps on the dry run's backend and writes its report (module docstring)."""
 
-    def __init__(self, job: JobState, backend: DryRunBackend, path: str) -> None:
+    def __init__(self, job: JobState, settings: DryRunSettings) -> None:
         self.job = job
-        self.backend = backend
-        self.path = Path(path)
+        self.settings = settings
+        self.path = Path(settings.report_path)
         self._previous: dict[str, dict[str, int]] | None = None
         self._last_step: dict[str, dict[str, int]] | None = None
         self._written = False
@@ -64,7 +64,7 @@ class DryRunReport:
         if self._previous is not None:
             self._last_step = _difference(counted, self._previous)
         self._previous = counted
-        if job.step >= self.backend.steps:
+        if job.step >= self.settings.steps:
             self.write()
             raise DryRunFinished(0)
 
@@ -79,11 +79,11 @@ class DryRunReport:
 
     def report(self) -> dict[str, Any]:
         """The report as a dict (see the module docstring)."""
-        job, world = self.job, self.backend.world
+        job, world = self.job, self.job.backend.world
         models = [_model_report(model) for model in job.models]
         state = sum(m["state_bytes"]["device"] for m in models)
         peak = state + sum(m["peak_gathered_bytes"] for m in models)
-        memory = self.backend.device_memory
+        memory = self.settings.device_memory
         return {
             "world_size": world.world_size, "rank": world.rank, "local_rank": world.local_rank,
             "local_world_size": world.local_world_size, "steps": job.step,
