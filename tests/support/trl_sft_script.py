@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stop_after_step", type=int, default=0)
     parser.add_argument("--resume_from_checkpoint", default=None)
     parser.add_argument("--save_model", action="store_true")
+    parser.add_argument("--lora_dropout", type=float, default=None,
+                        help="train a PEFT LoRA adapter (r 4 on q_proj and v_proj) with this dropout, TRL's peft_config")
     opts = parser.parse_args(argv)
 
     with open(opts.data_path) as f:
@@ -85,7 +87,14 @@ def main(argv: list[str] | None = None) -> None:
     cls = XShardSFTTrainer if os.environ.get("SFT_TRAINER", "xshard") == "xshard" else trl.SFTTrainer
     record = RunRecord()
     callbacks = [record, *([StopAfterStep(opts.stop_after_step)] if opts.stop_after_step else [])]
+    lora = {}
+    if opts.lora_dropout is not None:
+        import peft
+
+        lora["peft_config"] = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=opts.lora_dropout,
+                                              target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = cls(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
+                  **lora,
                   callbacks=callbacks)
     resume = opts.resume_from_checkpoint
     trainer.train(resume_from_checkpoint=True if resume == "true" else resume)
