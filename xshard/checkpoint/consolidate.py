@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,23 +25,35 @@ from .tensorfile import PT_METADATA, HashingFile, atomic_path, write_safetensors
 WEIGHTS = "model.safetensors"
 
 
-def consolidated_state_dict(checkpoint: str | os.PathLike[str], model_index: int = 0) -> dict[str, torch.Tensor]:
-    """The full state dict of model ``model_index`` of a checkpoint, assembled from its row pieces."""
-    folder = Path(checkpoint)
-    manifest = read_manifest(folder)
-    table = manifest.get("tables", {}).get(f"model{model_index}")
+def _model_table(folder: Path, manifest: dict[str, Any], model_index: int) -> dict[str, dict[str, Any]]:
+    """The manifest's row table of model ``model_index`` (key -> its entry; a tied name's entry says ``same_as``)."""
+    table: dict[str, dict[str, Any]] | None = manifest.get("tables", {}).get(f"model{model_index}")
     if table is None:
         raise CheckpointError(f"{folder / MANIFEST}: key 'tables' has no 'model{model_index}' "
                               f"(the job saved {manifest.get('models', 0)} model(s))")
+    return table
+
+
+def consolidated_state_dict(checkpoint: str | os.PathLike[str], model_index: int = 0) -> dict[str, torch.Tensor]:
+    """The full state dict of model ``model_index`` of a checkpoint, assembled from its row pieces: every key,
+    a tied weight's names all the same tensor (read once)."""
+    folder = Path(checkpoint)
+    manifest = read_manifest(folder)
+    table = _model_table(folder, manifest, model_index)
     with slow_progress(f"reading {folder.name}") as bar:
         reader = RowReader(folder, manifest, bar.update)
-        out = {}
-        for key, entry in table.items():
-            while "same_as" in entry:
-                entry = table[entry["same_as"]]
+        out: dict[str, torch.Tensor] = {}
+        for key in sorted(table, key=lambda k: "same_as" in table[k]):  # each tie's first name before its others
+            entry = table[key]
+            if "same_as" in entry:
+                first = key
+                while "same_as" in table[first]:
+                    first = str(table[first]["same_as"])
+                out[key] = out[first]
+                continue
             shape = tuple(entry["shape"])
             out[key] = reader.rows(table, key, 0, rows_of(shape), f"model {model_index}").reshape(shape)
-    return out
+    return {key: out[key] for key in table}  # the checkpoint's order
 
 
 def output_files(out: str | Path) -> tuple[Path | None, Path]:
@@ -62,7 +75,9 @@ def consolidate(checkpoint: str | Path, out: str | Path, model_index: int = 0) -
     folder = Path(checkpoint)
     export, weights = output_files(out)
     manifest = read_manifest(folder)
-    state = consolidated_state_dict(folder, model_index)
+    table = _model_table(folder, manifest, model_index)
+    # a tied weight once, under its first name, as transformers' save_pretrained writes it (from_pretrained ties it)
+    state = {key: t for key, t in consolidated_state_dict(folder, model_index).items() if "same_as" not in table[key]}
     config = verify_file(folder, "config.json", manifest) if "config.json" in manifest.get("files", {}) else None
     try:
         weights.parent.mkdir(parents=True, exist_ok=True)
