@@ -60,6 +60,15 @@ def test_the_dry_run_predicts_each_ranks_units_state_and_collectives(tmp_path, n
     assert f"ran 2 optimizer step(s) as rank {rank} of {nproc}" in done.stderr
     assert not (tmp_path / "dry" / "state").exists()  # the dry run ended before the script's first save
 
+    # the files the real run's save_state (step 5) had this rank write: its .rank<R>. files, and rank 0 the rest
+    saved = tmp_path / "real" / "state"
+    written = {f.name: f.stat().st_size for f in saved.iterdir() if f.name != "xshard_state.json"
+               and (f".rank{rank}." in f.name or (rank == 0 and ".rank" not in f.name))}
+    planned = report["checkpoint_files"]
+    assert set(planned) == set(written)
+    for name, size in planned.items():  # safetensors: the tensors' bytes, the file's small header aside
+        assert 0 <= written[name] - size <= (16384 if name.endswith(".safetensors") else 64), name
+
 
 def test_a_dry_run_at_1024_ranks_reports_the_padding_of_the_shards(tmp_path):
     done, report = _dry(tmp_path, "--nnodes", "128", "--nproc", "8")

@@ -145,7 +145,7 @@ class Accelerator(AccelerateSurface):
                  world.world_size)
         dry_run = self.backend.dry_run()
         if dry_run is not None:  # xshard launch --dry-run: report after its steps (runtime/dry_run_report.py)
-            self.job.step_observers.append(DryRunReport(self.job, dry_run))
+            self.job.step_observers.append(DryRunReport(self.job, dry_run, self._planned_checkpoint_files))
 
         chosen_seed = seed if seed is not None else self.config.seed
         #: None when nothing seeds the processes; then prepare() broadcasts rank 0's weights
@@ -604,6 +604,12 @@ class Accelerator(AccelerateSurface):
         if compat.ignored and self.is_main_process:
             warnings.warn("Accelerator: these arguments have no effect in xshard and are ignored: "
                           + "; ".join(compat.ignored), stacklevel=3)
+
+    def _planned_checkpoint_files(self) -> dict[str, int]:
+        """The files this rank would write in ``save_state``, name -> bytes, written nowhere (for a dry run)."""
+        from .checkpoint.save_load import planned_files
+
+        return planned_files(self.job)
 
     def _fill_auto_batch(self, loader: ShardedDataLoader) -> None:
         """A ds_config's ``"auto"`` micro-batch: the first prepared loader's batch size per process."""

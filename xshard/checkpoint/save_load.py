@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import copy
 import errno
+import io
 import json
+import math
 import os
 import random
 import shutil
@@ -364,12 +366,50 @@ def _agree_on_save(job: JobState, final: Path, tmp: Path, error: BaseException |
                               "part (their error is in their log); nothing of this save was kept")
 
 
+class _SizeWriter:
+    """``FileWriter``'s interface, writing nothing: each file's name and bytes (safetensors: the tensors' bytes,
+    without the small header; ``torch.save`` files serialised in memory)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.files: dict[str, int] = {}
+
+    def safetensors(self, name: str, tensors: dict[str, torch.Tensor], metadata: Any = None) -> None:
+        self.files[name] = sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def torch(self, name: str, obj: Any) -> None:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        self.files[name] = buffer.tell()
+
+    def text(self, name: str, text: str) -> None:
+        self.files[name] = len(text.encode())
+
+
+def planned_files(job: JobState, state_dict_type: str | None = None) -> dict[str, int]:
+    """The files this rank would write in ``save_state`` (name -> bytes), written nowhere (a dry run asks).
+
+    The same code as a save, through a writer that only counts, but one part: a ``full`` checkpoint's model
+    file, which a save gathers on rank 0, is counted from the model's shapes (a dry run of a large model could
+    not hold it whole), its ties once.
+    """
+    writer = _SizeWriter(job.rank)
+    _write_files(job, writer, state_dict_type or job.config.state_dict_type)  # type: ignore[arg-type]
+    return writer.files
+
+
 def _write_files(job: JobState, writer: FileWriter, kind: str) -> dict[str, Any]:
     """This rank's files of a ``kind`` checkpoint; returns its row tables."""
     tables: dict[str, Any] = {}
     models = job.models
     for i, model in enumerate(models):
-        if kind == "full":
+        if kind == "full" and isinstance(writer, _SizeWriter):  # counted from the shapes: no gather (planned_files)
+            if job.is_main_process:
+                from ..sharding.state_dict import local_pieces
+
+                pieces = {id(p.tensor): p for p in local_pieces(model).values()}.values()  # a tie once
+                writer.files[formats.model_file(i)] = sum(math.prod(p.shape) * p.tensor.element_size() for p in pieces)
+        elif kind == "full":
             weights = model.full_state_dict(rank0_only=True)  # every rank takes part; complete on rank 0
             if job.is_main_process:
                 tables[f"model{i}"] = formats.write_full_model(writer, i, weights)

@@ -6,7 +6,7 @@
 runs ``train.py`` once, as rank 0 (``--dry_run_rank``) of 1,024, on this host's CPU over torch's fake process
 group (``backends/fake_group.py``), through ``prepare`` and ``--dry_run_steps`` optimizer steps (2). It prints the
 sharding plan (units and the bytes each gathers, hybrid groups), the state this rank holds, the collectives
-of one step (calls and bytes per kind) and what a checkpoint would write, and exits 1 when the job cannot
+of one step (calls and bytes per kind) and the files a checkpoint would have this rank write, and exits 1 when the job cannot
 start at that size: the script failed there (a hybrid group that does not divide the world, say: its error
 is above the summary), or the model state and its gathered units need more of ``--device-memory`` than a run
 may use (``xshard estimate``'s rule: 90%).
@@ -123,7 +123,9 @@ def summary(report: dict[str, Any]) -> str:
                  + ("" if report["device_memory"] is None else
                     f"; {'fits' if report['fits'] else 'does NOT fit'} in {_size(report['device_memory'])} "
                     f"(a run may use {USABLE_FRACTION:.0%})"))
-    lines.append(f"a checkpoint: {_size(report['checkpoint_bytes_per_rank'])} written by this rank")
+    files = report["checkpoint_files"] or {}
+    lines.append(f"a checkpoint ({report['checkpoint_state_type']}): this rank writes {len(files)} file(s), "
+                 f"{_size(sum(files.values()))}: " + ", ".join(f"{name} {_size(n)}" for name, n in files.items()))
     lines.append("not checked: " + "; ".join(report["not_checked"]))
     return "\n".join(lines)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,7 @@ NOT_CHECKED = (
     "activation memory: only the model state and its gathered units are counted",
     "the network: collective bytes are counted, their time is not measured",
     "other ranks: only this rank ran (ranks past a tensor's last row hold less of it)",
-    "checkpoint writes: nothing is saved (the bytes each rank would write are given)",
+    "checkpoint writes: nothing is saved (the files this rank would write are listed, with their bytes)",
 )
 
 
@@ -49,9 +50,12 @@ class DryRunFinished(SystemExit):
 class DryRunReport:
     """Watches a job's optimizer steps on the dry run's backend and writes its report (module docstring)."""
 
-    def __init__(self, job: JobState, settings: DryRunSettings) -> None:
+    def __init__(self, job: JobState, settings: DryRunSettings,
+                 checkpoint_files: Callable[[], dict[str, int]] | None = None) -> None:
         self.job = job
         self.settings = settings
+        #: the files this rank would write in a save, name -> bytes (``checkpoint.save_load.planned_files``)
+        self.checkpoint_files = checkpoint_files
         self.path = Path(settings.report_path)
         self._previous: dict[str, dict[str, int]] | None = None
         self._last_step: dict[str, dict[str, int]] | None = None
@@ -94,8 +98,8 @@ class DryRunReport:
             "collectives_per_step": self._last_step,
             "device_state_bytes": state,
             "peak_model_bytes": peak,
-            "checkpoint_bytes_per_rank": sum(m["state_bytes"]["params"] + m["state_bytes"]["optimizer"]
-                                             for m in models),
+            "checkpoint_files": self.checkpoint_files() if self.checkpoint_files is not None else None,
+            "checkpoint_state_type": str(job.config.state_dict_type),
             "device_memory": memory,
             "not_checked": list(NOT_CHECKED),
         }
