@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,8 +57,7 @@ def test_trls_trainer_through_the_mixin_gives_its_steps_in_one_process(tiny_mode
 
 
 @pytest.mark.parametrize("kind", sorted(LEARNT))
-def test_trls_trainer_at_stage_3_on_two_processes_gives_its_ddp_steps_and_saves_checkpoints(tiny_model, tmp_path,
-                                                                                           kind):
+def test_trls_trainer_at_stage_3_on_two_processes_gives_its_ddp_steps_saves_and_resumes(tiny_model, tmp_path, kind):
     args = [str(tiny_model), str(DATA)]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     launch = [sys.executable, "-m", "xshard", "launch", "--nproc", "2"]  # stage 3 (FULL_SHARD) by default
@@ -67,3 +67,9 @@ def test_trls_trainer_at_stage_3_on_two_processes_gives_its_ddp_steps_and_saves_
     _equal(ours, stock)
     for step in (2, 4):
         assert (tmp_path / "xshard" / f"checkpoint-{step}" / "trainer_state.json").is_file()
+
+    # stopped after step 2 and resumed: steps 3 and 4 (GRPO: new generations) are the uninterrupted run's
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "xshard" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed = _run(kind, launch, tmp_path / "resumed", "xshard", *args, str(tmp_path / "resumed"), "--resume")
+    _equal(resumed, ours)

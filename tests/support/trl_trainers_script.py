@@ -4,7 +4,7 @@ with TRL's own config class unchanged.
 ``SFT_TRAINER=stock`` trains with TRL's class; ``SFT_TRAINER=xshard`` with ``class X(TrainerMixin, TRL's
 class)``. The main process writes the training log to ``<output_dir>/log_history.json``::
 
-    python tests/support/trl_trainers_script.py grpo|dpo|reward MODEL_DIR DATA_JSON OUTPUT_DIR [--save_steps N]
+    python tests/support/trl_trainers_script.py grpo|dpo|reward MODEL_DIR DATA_JSON OUTPUT_DIR [--save_steps N] [--resume]
 
 4 steps each. GRPO: 4 prompts' groups of 4 completions (8 tokens at most), rewarded for a length near 20
 characters. DPO and reward: preference pairs, the chosen answer a record's own output, the rejected one the
@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("data_path")
     parser.add_argument("output_dir")
     parser.add_argument("--save_steps", type=int, default=0, help="0: no checkpoints")
+    parser.add_argument("--resume", action="store_true", help="resume from the newest checkpoint in OUTPUT_DIR")
     opts = parser.parse_args()
     stock, config_class, rows, load, settings, trainer_args = KINDS[opts.kind]
 
@@ -86,7 +87,7 @@ def main() -> None:
         if os.environ.get("SFT_TRAINER", "xshard") == "xshard" else stock
     trainer = cls(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows(records)),
                   processing_class=tokenizer, **trainer_args)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=True if opts.resume else None)
     if trainer.is_world_process_zero():
         with open(os.path.join(opts.output_dir, "log_history.json"), "w") as f:
             json.dump(trainer.state.log_history, f)
