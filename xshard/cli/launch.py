@@ -35,6 +35,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -324,9 +326,6 @@ def flight_records_dir(child_env: dict[str, str], env: Mapping[str, str]) -> Pat
 
     if env.get(DIR_ENV):
         return Path(env[DIR_ENV])
-    import tempfile
-    import time
-
     folder = Path(tempfile.gettempdir()) / f"xshard-flight-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     child_env[DIR_ENV] = str(folder)
     return folder
