@@ -8,7 +8,7 @@ backend, and it names collectives as xshard does ("all-gather of unit layers.3")
 When the records are written (``backends.monitor``, which holds each job's recorder): a wait that fails (a
 timeout, a lost peer) or that passes the hang deadline, and a script that ends with an exception, write this
 rank's records and ask every other rank, through the job's key-value store, to write theirs (each rank's
-monitor thread looks for the request about once a second, so a rank stuck in its own code, or blocked in a
+monitor thread looks for the request every 2 s, so a rank stuck in its own code, or blocked in a
 collective, writes too). ``kill -USR1 <pid>`` writes a rank's records when its main thread runs Python.
 
 Where: ``XSHARD_FLIGHT_DIR`` (``xshard launch`` sets it to a folder of its own and names it when the job

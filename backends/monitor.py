@@ -89,6 +89,7 @@ class CollectiveMonitor:
         self.flight = flight
         self._flight_answered = False
         self._flight_logged = False
+        self._flight_checked_at = 0.0
         self.timeout = float(timeout)
         self.deadline = 0.9 * self.timeout
         self.store = BoundedStore(store, bound=store_bound(self.timeout))
@@ -166,8 +167,9 @@ class CollectiveMonitor:
 
     def _answer_flight_request(self) -> None:
         """Write this rank's records once another rank asked for every rank's (``write_flight``)."""
-        if self.flight is None or self._flight_answered:
-            return
+        if self.flight is None or self._flight_answered or time.monotonic() - self._flight_checked_at < HEARTBEAT:
+            return  # looked for at the heartbeat's pace: one store call a rank every 2 s, at 1,024 ranks too
+        self._flight_checked_at = time.monotonic()
         asked = self.store.run(lambda store: store.get(_FLIGHT_KEY) if store.check([_FLIGHT_KEY]) else None)
         if asked is not None:
             self._flight_answered = True
