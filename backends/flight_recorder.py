@@ -9,7 +9,8 @@ When the records are written (``backends.monitor``, which holds each job's recor
 timeout, a lost peer) or that passes the hang deadline, and a script that ends with an exception, write this
 rank's records and ask every other rank, through the job's key-value store, to write theirs (each rank's
 monitor thread looks for the request every 2 s, so a rank stuck in its own code, or blocked in a
-collective, writes too). ``kill -USR1 <pid>`` writes a rank's records when its main thread runs Python.
+collective, writes too; the rank that asked waits up to 3.5 s for every rank's answer before it raises, since its
+end makes the launcher stop the others). ``kill -USR1 <pid>`` writes a rank's records when its main thread runs Python.
 
 Where: ``XSHARD_FLIGHT_DIR`` (``xshard launch`` sets it to a folder of its own and names it when the job
 fails), else ``<tmp>/xshard-flight-<job id>``; one JSON file per rank, ``rank<R>.json``.

@@ -55,10 +55,13 @@ from .flight_recorder import FlightRecorder
 log = logging.getLogger("xshard.backends")
 
 _KEY = "xshard/progress/{rank}"
-#: a rank that failed asks every rank for its flight records here (``write_flight``)
+#: a rank that failed asks every rank for its flight records here (``write_flight``); each counts its answer
 _FLIGHT_KEY = "xshard/flight/request"
+_FLIGHT_ANSWERS = "xshard/flight/answers"
 #: seconds between heartbeats when nothing else changed (a dead rank's stops advancing)
 HEARTBEAT = 2.0
+#: how long a rank that asks for every rank's flight records waits for their answers (they look every HEARTBEAT)
+FLIGHT_ANSWER_WAIT_S = HEARTBEAT + 1.5
 #: how long stopping a monitor waits for its thread's store call to return
 STOP_WAIT_S = 2.0
 #: seconds a peer elsewhere may go without a heartbeat before it counts as lost
@@ -90,6 +93,7 @@ class CollectiveMonitor:
         self._flight_answered = False
         self._flight_logged = False
         self._flight_checked_at = 0.0
+        self._flight_asked = False
         self.timeout = float(timeout)
         self.deadline = 0.9 * self.timeout
         self.store = BoundedStore(store, bound=store_bound(self.timeout))
@@ -161,9 +165,23 @@ class CollectiveMonitor:
         if ask_peers:
             text = json.dumps({"rank": self.rank, "reason": reason[:400]})
             try:
-                self.store.run(lambda store: store.set(_FLIGHT_KEY, text))
+                if not self._flight_asked:  # it wrote its own: it counts among the ranks that did
+                    self.store.run(lambda store: (store.set(_FLIGHT_KEY, text), store.add(_FLIGHT_ANSWERS, 1)))
+                    self._flight_asked = True
+                self._await_flight_answers()
             except Exception:  # the store is gone or cut off: each rank still writes on its own failure
                 pass
+
+    def _await_flight_answers(self) -> None:
+        """Wait up to ``FLIGHT_ANSWER_WAIT_S`` until every rank has written its records (the ranks that asked count
+        themselves, the others count their answer): the rank that asked is about to raise, and when it ends the
+        launcher stops the others (a rank stuck in its own code would be stopped before its monitor looked). A dead
+        rank never answers: then this waits the whole bound."""
+        deadline = time.monotonic() + FLIGHT_ANSWER_WAIT_S
+        while self.store.run(lambda store: int(store.add(_FLIGHT_ANSWERS, 0))) < self.world_size:
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
 
     def _answer_flight_request(self) -> None:
         """Write this rank's records once another rank asked for every rank's (``write_flight``)."""
@@ -176,6 +194,7 @@ class CollectiveMonitor:
             request = json.loads(asked)
             if request["rank"] != self.rank:
                 self.write_flight(f"rank {request['rank']} asked: {request['reason']}")
+                self.store.run(lambda store: store.add(_FLIGHT_ANSWERS, 1))
 
     # ------------------------------------------------------------------ monitor thread
     def _run(self) -> None:
