@@ -169,6 +169,31 @@ def test_a_stream_is_sliced_per_global_batch_as_accelerate_slices_it(world, n, b
     assert set(read) >= set(range(n - (n % (batch * (1 if split else world)) if drop_last else 0)))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_sampler_that_draws_one_ranks_share_is_read_whole_by_that_rank(world):
+    """A ``DistributedSampler`` the script built: each rank reads its own share once (sharded again, as
+    Accelerate's ``BatchSamplerShard`` does, each rank would read a third or half of it)."""
+    from torch.utils.data import DistributedSampler
+
+    def loader(rank: int) -> DataLoader:
+        sampler = DistributedSampler(_data(23), num_replicas=world, rank=rank, shuffle=True, seed=3)
+        return DataLoader(_data(23), batch_size=3, sampler=sampler)
+
+    ours = [[b[0].tolist() for b in shard_data_loader(loader(r), CPU, world, r)] for r in range(world)]
+    plain = [[b[0].tolist() for b in loader(r)] for r in range(world)]
+    assert ours == plain
+    assert set(i for batches in ours for b in batches for i in b) == set(range(23))
+
+
+def test_a_sampler_built_for_another_world_is_an_error_naming_both():
+    from torch.utils.data import DistributedSampler
+
+    loader = DataLoader(_data(8), batch_size=2, sampler=DistributedSampler(_data(8), num_replicas=4, rank=1))
+    with pytest.raises(ValueError, match=r"DistributedSampler draws the share of rank 1 of 4 processes, but this is "
+                                         r"rank 0 of 2; build it with num_replicas=2, rank=0"):
+        shard_data_loader(loader, CPU, 2, 0)
+
+
 class Endless(Sampler[int]):
     def __iter__(self):
         i = 0

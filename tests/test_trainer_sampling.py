@@ -5,6 +5,8 @@ and by xshard's (``xshard launch``), only the import changed: every step's logge
 
 - with ``--train_sampling_strategy group_by_length`` (transformers' ``LengthGroupedSampler``, drawn from
   torch's RNG);
+- with ``--train_sampling_strategy batch_rebalance`` and 2 loader workers (transformers'
+  ``BatchRebalanceSampler`` draws each rank's share itself: prepare reads it whole, not sharded again);
 - with an ``IterableDataset`` train set and ``--max_steps`` (each process reading its slice of every global
   batch: ``dispatch_batches`` off, as Accelerate's dispatching cannot join batches padded to other lengths).
 """
@@ -43,8 +45,11 @@ def _run(command: list[str], trainer: str, model: Path, out: Path, *extra: str) 
             for key in ("loss", "grad_norm")}
 
 
-def test_group_by_length_gives_the_stock_trainers_losses_on_2_processes(tiny_model, tmp_path):
-    extra = ("--train_sampling_strategy", "group_by_length")
+@pytest.mark.parametrize("extra", [
+    ("--train_sampling_strategy", "group_by_length"),
+    ("--train_sampling_strategy", "batch_rebalance", "--dataloader_num_workers", "2"),
+], ids=["group_by_length", "batch_rebalance_2_workers"])
+def test_a_sampling_strategy_gives_the_stock_trainers_losses_on_2_processes(tiny_model, tmp_path, extra):
     stock, ours = side_by_side(lambda: _run(TORCHRUN, "stock", tiny_model, tmp_path / "stock", *extra),
                                lambda: _run(XSHARD, "xshard", tiny_model, tmp_path / "xshard", *extra))
     for key in ("loss", "grad_norm"):

@@ -12,6 +12,12 @@ its ``batch_sampler`` (a custom one, or the ``BatchSampler`` that ``batch_size=`
   checkpointed, so a resumed run draws the same epoch again;
 - any other sampler is iterated as it is, ``set_epoch(epoch)`` first where it has one.
 
+A sampler that already draws one rank's share (a ``DistributedSampler`` the script built, transformers'
+``BatchRebalanceSampler``: its ``num_replicas`` or ``dp_size`` and its ``rank`` are this job's) is read
+whole by its rank, not dealt out again: sharded twice, each rank would read a ``W``-th of its share
+(Accelerate's ``BatchSamplerShard`` does that to a ``DistributedSampler``; the stock Trainer switches it off
+for its ``BatchRebalanceSampler``). One built for another world is an error naming both worlds.
+
 ``RankBatches`` is rank ``r``'s batch sampler: of every ``W`` consecutive batches it takes the ``r``-th
 (with ``split_batches``: its ``r``-th slice of every batch). The last batches are evened out as
 Accelerate's ``even_batches=True`` does: a short round is completed with samples from the start of the
@@ -28,6 +34,16 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
 
 Agree = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _share_of(obj: Any) -> tuple[int, int] | None:
+    """(world, rank) of a sampler that draws one rank's share itself; None for one that draws for one process."""
+    world = getattr(obj, "num_replicas", None)
+    world = getattr(obj, "dp_size", None) if world is None else world
+    rank = getattr(obj, "rank", None)
+    if isinstance(world, int) and isinstance(rank, int) and world > 1:
+        return world, rank
+    return None
 
 
 def _generator_of(obj: Any) -> torch.Generator | None:
@@ -58,6 +74,8 @@ class EpochBatches:
         self.drawn_epoch: int | None = None  # the epoch whose draw started from ``start_state``
         self.start_state: torch.Tensor | None = None
         self.restored_state: torch.Tensor | None = None
+        #: (world, rank) the sampler draws one rank's share for, when it does (see the module docstring)
+        self.share = _share_of(batch_sampler) or _share_of(self.sampler)
 
     def __len__(self) -> int:
         """Batches one process draws per epoch."""
@@ -112,6 +130,12 @@ class RankBatches(Sampler[list[int]]):
                  length: int = 0) -> None:
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"RankBatches: rank {rank} is not in a world of {num_replicas}")
+        if source.share is not None and source.share != (num_replicas, rank):
+            owner = source.sampler if _share_of(source.sampler) else source.batch_sampler
+            raise ValueError(
+                f"the DataLoader's {type(owner).__name__} draws the share of rank {source.share[1]} of "
+                f"{source.share[0]} processes, but this is rank {rank} of {num_replicas}; build it with "
+                f"num_replicas={num_replicas}, rank={rank} (or let prepare() shard a sampler that draws for one process)")
         self.source = source
         self.num_replicas = num_replicas
         self.rank = rank
@@ -134,6 +158,8 @@ class RankBatches(Sampler[list[int]]):
     def total(self) -> int:
         """Batches per rank in a whole epoch."""
         n, w = len(self.source), self.num_replicas
+        if self.source.share is not None:  # the sampler's own batches are this rank's
+            return n
         if w == 1 or self.split_batches or n % w == 0 or self.source.drop_last:
             return n if self.split_batches else n // w
         return n // w + 1
@@ -144,6 +170,12 @@ class RankBatches(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         self.real = {}
         batches = self.source.batches(self.epoch)
+        if self.source.share is not None:  # the sampler drew this rank's share: its batches, all real (as
+            # the other ranks' sizes are not known here, ``real`` stays empty: gather_for_metrics keeps every row)
+            for k, batch in enumerate(batches):
+                if k >= self.start:
+                    yield list(batch)
+            return
         if self.num_replicas == 1:  # one process reads the loader's own batches (a short last one stays short)
             rounds: Iterator[list[tuple[list[int], int]]] = ([(list(b), len(b))] for b in batches)
         else:
