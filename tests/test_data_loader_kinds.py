@@ -11,7 +11,8 @@ process reading its own share: ``dispatch_batches=False``):
   equal Accelerate's;
 - the evaluation's ``gather_for_metrics`` gives Accelerate's predictions and ids, in the same order;
 - a run saved after 3 steps (mid-epoch) and resumed (with 2 workers for the map-style loaders) reads
-  exactly the batches of the uninterrupted run from there on and computes its losses.
+  exactly the batches of the uninterrupted run from there on and computes its losses;
+- resumed on 1 process, it reads the rest of the epoch's order from where the 2 processes stopped.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve().parent / "support" / "loader_kinds_script.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
 XSHARD = [sys.executable, "-m", "xshard", "launch", "--nproc", "2"]
+XSHARD_1 = [sys.executable, "-m", "xshard", "launch", "--nproc", "1"]
 
 
 def _flat(rows: list[list[float]]) -> list[float]:
@@ -82,3 +84,11 @@ def test_a_resumed_loader_with_two_workers_reads_the_uninterrupted_batches(tmp_p
                    "--workers", "2")
     assert resumed["read"] == ours["read"][3:]
     assert _flat(resumed["losses"]) == pytest.approx(_flat(ours["losses"][3:]), rel=1e-5, abs=1e-7)
+
+
+def test_a_run_saved_on_2_processes_resumes_on_1_where_the_order_stopped(tmp_path):
+    ours = _run(XSHARD, "xshard", tmp_path, "--kind", "generator", "--save_at", "3", "--output_dir", "xs")
+    resumed = _run(XSHARD_1, "xshard", tmp_path, "--kind", "generator", "--resume", str(tmp_path / "xs" / "state"))
+    # each of the 2 processes' steps read 2 batches of the order (rank 0's, then rank 1's); 1 process reads 1
+    assert _flat(resumed["read"]) == _flat(ours["read"][3:])
+    assert len(resumed["read"]) == 2 * len(ours["read"][3:])

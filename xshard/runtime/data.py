@@ -37,7 +37,10 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 from ..sharding.trees import map_leaves
 from .batch_order import EpochBatches, RankBatches
 from .iterator_seed import IteratorSeed
+from .rank_logging import get_logger
 from .stream_shard import StreamShard, split_by_node, splits_by_node
+
+_log = get_logger("xshard.data")
 
 
 class ShardSampler(Sampler[int]):
@@ -170,8 +173,13 @@ class ShardedDataLoader:
         batch_size: int | None = None,
         stream: StreamShard | None = None,
         exchange_counts: Callable[[tuple[int, int]], list[tuple[int, int]]] | None = None,
+        num_replicas: int = 1,
+        split_batches: bool = False,
     ) -> None:
         self.loader = loader
+        #: the world the position is counted in (a resume on another world size converts it: ``load_state_dict``)
+        self.num_replicas = num_replicas
+        self._split_batches = split_batches
         self.device = device
         self.sampler = sampler
         self.stream = stream
@@ -220,15 +228,23 @@ class ShardedDataLoader:
         ``generator_state`` its epoch's order was drawn from when the user's sampler draws it. The
         rank's own record of its epoch's base-seed draw is ``iterator_seed.state_dict()`` (a checkpoint
         keeps it with the rank's RNG states)."""
-        state: dict[str, Any] = {"epoch": self.epoch, "batches_consumed": self.batches_consumed}
+        state: dict[str, Any] = {"epoch": self.epoch, "batches_consumed": self.batches_consumed,
+                                 "world_size": self.num_replicas, "split_by_node": self._exchange_counts is not None}
         if self.sampler is not None:
             state.update(self.sampler.source.state_dict())
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at ``state``: the next pass starts after ``batches_consumed`` batches of ``epoch``."""
+        """Resume at ``state``: the next pass starts after ``batches_consumed`` batches of ``epoch``.
+
+        Saved by a job of another world size, the position is carried over in samples of the epoch's order:
+        ``batches_consumed`` batches on each of ``W`` ranks are ``batches_consumed * W`` batches of the order,
+        read from there on by this job's ranks (where that does not divide by this world size, the pass starts
+        at the round before, and those few batches are read again: a warning says how many). A stream split
+        by node cannot be carried over (its ranks read other files at another size): an error.
+        """
         self.epoch = int(state["epoch"])
-        self.batches_consumed = int(state["batches_consumed"])
+        self.batches_consumed = self._carried_over(state)
         if self.sampler is not None:
             self.sampler.source.load_state_dict(state)
         if self.sampler is not None and 0 < len(self) <= self.batches_consumed:
@@ -238,6 +254,26 @@ class ShardedDataLoader:
                 for _ in self.sampler.source.batches(self.epoch):  # the generator moves past this epoch's draw
                     pass
             self.epoch, self.batches_consumed = self.epoch + 1, 0
+
+    def _carried_over(self, state: Mapping[str, Any]) -> int:
+        """The saved batches per rank, as batches per rank of this job's world."""
+        consumed, saved_world = int(state["batches_consumed"]), int(state.get("world_size", self.num_replicas))
+        if saved_world == self.num_replicas:
+            return consumed
+        if state.get("split_by_node") or self._exchange_counts is not None:
+            raise ValueError(
+                f"{_name(self.loader)}: the checkpoint's position is in the stream's split by node over {saved_world} "
+                f"processes, and this job has {self.num_replicas} (each would read other shards): resume on "
+                f"{saved_world} processes")
+        if self._split_batches:
+            return consumed  # a step reads one batch of the order at any size
+        batches, again = divmod(consumed * saved_world, self.num_replicas)
+        if again:
+            _log.warning(
+                "%s: saved after %d batches of the epoch's order on %d processes; on %d it resumes after %d, so %d "
+                "batches of the order are read again", _name(self.loader), consumed * saved_world, saved_world,
+                self.num_replicas, batches * self.num_replicas, again)
+        return batches
 
     def real_counts(self) -> tuple[list[int], int] | None:
         """(per rank, the real samples of the batch in use; the batch's samples per rank): the others
@@ -277,7 +313,8 @@ class ShardedDataLoader:
         global _ITERATIONS
         _ITERATIONS += 1
         self.iteration_order = _ITERATIONS
-        if self._exchange_counts is not None:  # a stream split by node resumes by reading its consumed batches
+        if self.sampler is None and self.stream is None:  # a stream split by node, or a loader not sharded
+            # here (a stream on one process, ``shard=False``), resumes by reading its consumed batches again
             for _ in range(self.batches_consumed):
                 skipped = next(source, _EXHAUSTED)
                 self._first = skipped if self._first is None and skipped is not _EXHAUSTED else self._first
@@ -397,8 +434,10 @@ def shard_data_loader(
     MpDeviceLoader). ``shard=False`` only places batches (for a loader the caller already sharded).
     ``pad_to_multiple_of``: token batches are padded to a multiple of this width (``xshard.static_shapes``).
     """
-    if not shard or num_replicas == 1 and isinstance(loader.dataset, IterableDataset):
+    if not shard:  # the caller's share: its position is its own (counted as a world of one)
         return ShardedDataLoader(loader, device, None, wrap, non_blocking)
+    if num_replicas == 1 and isinstance(loader.dataset, IterableDataset):  # the whole stream, in its order
+        return ShardedDataLoader(loader, device, None, wrap, non_blocking, split_batches=split_batches)
     size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
     if split_batches and (size is None or size % num_replicas):
         raise ValueError(
@@ -420,7 +459,8 @@ def shard_data_loader(
     batches = RankBatches(EpochBatches(loader, seed, agree), num_replicas, rank, split_batches,
                           length=len(cast(Sized, loader.dataset)) if isinstance(loader.dataset, Sized) else 0)
     rebuilt = _rebuild(loader, loader.dataset, {"batch_sampler": batches}, pad_to_multiple_of)
-    return ShardedDataLoader(rebuilt, device, batches, wrap, non_blocking, batch_size=per_rank)
+    return ShardedDataLoader(rebuilt, device, batches, wrap, non_blocking, batch_size=per_rank,
+                             num_replicas=num_replicas, split_batches=split_batches)
 
 
 def _shard_stream(loader: DataLoader, device: torch.device, num_replicas: int, rank: int,
@@ -433,7 +473,8 @@ def _shard_stream(loader: DataLoader, device: torch.device, num_replicas: int, r
         mine = split_by_node(loader.dataset, rank, num_replicas)
         rebuilt = _rebuild(loader, mine, {"batch_size": loader.batch_size, "drop_last": loader.drop_last},
                            pad_to_multiple_of)
-        return ShardedDataLoader(rebuilt, device, None, wrap, non_blocking, exchange_counts=exchange_counts)
+        return ShardedDataLoader(rebuilt, device, None, wrap, non_blocking, exchange_counts=exchange_counts,
+                                 num_replicas=num_replicas)
     if per_rank is None:
         raise ValueError(
             f"prepare() cannot shard {_name(loader)}: a stream is cut per global batch, and this DataLoader does not "
@@ -441,4 +482,5 @@ def _shard_stream(loader: DataLoader, device: torch.device, num_replicas: int, r
             "yourself (read RANK and WORLD_SIZE) and pass accelerator.prepare_data_loader(loader, shard=False)")
     stream = StreamShard(loader.dataset, per_rank, num_replicas, rank, loader.drop_last)
     rebuilt = _rebuild(loader, stream, {"batch_size": per_rank, "drop_last": loader.drop_last}, pad_to_multiple_of)
-    return ShardedDataLoader(rebuilt, device, None, wrap, non_blocking, batch_size=per_rank, stream=stream)
+    return ShardedDataLoader(rebuilt, device, None, wrap, non_blocking, batch_size=per_rank, stream=stream,
+                             num_replicas=num_replicas, split_batches=split_batches)

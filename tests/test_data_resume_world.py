@@ -1,0 +1,94 @@
+"""A loader's position carried to a job of another world size: the resumed ranks read the rest of the order.
+
+Checked in one process, each rank's loader built as ``Accelerator.prepare`` builds it: a job of ``W`` ranks
+saved after ``c`` steps (``c * W`` batches of the epoch's order read), resumed on ``W'`` ranks, reads, ranks
+in order, the order's batches from ``c * W`` on (a map-style shuffle with a generator, a plain sequential
+loader, a stream cut per global batch); where ``c * W`` does not divide by ``W'`` it starts a round earlier
+and says how many batches it reads again. A stream split by node, whose ranks would read other shards at
+another size, is an error naming both sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from xshard.runtime.data import shard_data_loader
+
+CPU = torch.device("cpu")
+N, BATCH = 48, 2
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(N))
+
+
+def _loader(kind: str) -> DataLoader:
+    if kind == "stream":
+        return DataLoader(Stream(), batch_size=BATCH)
+    data = TensorDataset(torch.arange(N))
+    if kind == "generator":
+        return DataLoader(data, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(7))
+    return DataLoader(data, batch_size=BATCH)
+
+
+def _ids(batch) -> list[int]:
+    return (batch[0] if isinstance(batch, list) else batch).tolist()
+
+
+def _order(kind: str) -> list[int]:
+    """The epoch's samples in the order one process reads them."""
+    return [i for b in _loader(kind) for i in _ids(b)]
+
+
+def _resumed_reads(kind: str, saved_world: int, steps: int, world: int) -> list[int]:
+    """Save after ``steps`` steps on ``saved_world`` ranks; the samples ``world`` ranks read next, step by step,
+    ranks in order (what a gather of the ids gives)."""
+    states = []
+    for rank in range(saved_world):
+        loader = shard_data_loader(_loader(kind), CPU, saved_world, rank)
+        for _, _ in zip(range(steps), loader, strict=False):
+            pass
+        states.append(loader.state_dict())
+    positions = [(s["epoch"], s["batches_consumed"]) for s in states]
+    assert positions == [positions[0]] * saved_world  # one position, the same on every rank
+    loaders = [shard_data_loader(_loader(kind), CPU, world, rank) for rank in range(world)]
+    for loader in loaders:
+        loader.load_state_dict(states[0])
+    return [i for step in zip(*loaders, strict=True) for batch in step for i in _ids(batch)]
+
+
+@pytest.mark.parametrize("kind", ["generator", "sequential", "stream"])
+@pytest.mark.parametrize("saved_world,steps,world", [(2, 3, 1), (2, 3, 3), (4, 2, 2), (1, 6, 3), (3, 2, 2)])
+def test_a_job_of_another_size_reads_the_rest_of_the_epochs_order(kind, saved_world, steps, world, caplog):
+    with caplog.at_level(logging.WARNING, logger="xshard"):
+        read = _resumed_reads(kind, saved_world, steps, world)
+    consumed = steps * saved_world
+    start = consumed - consumed % world  # the round this job's ranks start at
+    remaining = (N // BATCH - start) // world * world  # whole rounds (the epoch divides: no repeats at its end)
+    order = _order(kind)
+    assert read == order[start * BATCH:(start + remaining) * BATCH]
+    again = [r.getMessage() for r in caplog.records if "read again" in r.getMessage()]
+    if consumed % world:
+        assert len(again) == world and f"so {consumed % world} batches of the order are read again" in again[0]
+    else:
+        assert again == []
+
+
+def test_a_stream_split_by_node_resumed_on_another_size_is_an_error_naming_both():
+    datasets = pytest.importorskip("datasets")
+    stream = datasets.Dataset.from_dict({"x": list(range(16))}).to_iterable_dataset(num_shards=4)
+
+    def prepared(world: int, rank: int):
+        return shard_data_loader(DataLoader(stream, batch_size=2), CPU, world, rank,
+                                 exchange_counts=lambda mine: [mine] * world)
+
+    saved = prepared(2, 0)
+    next(iter(saved))
+    resumed = prepared(4, 0)
+    with pytest.raises(ValueError, match=r"split by node over 2 processes, and this job has 4 .*resume on 2 processes"):
+        resumed.load_state_dict(saved.state_dict())
