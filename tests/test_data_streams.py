@@ -6,6 +6,9 @@
 - A ``datasets.IterableDataset`` with 4 shards of unequal sizes is split by node: each rank reads only its
   shards, the ranks whose part ends first read their first batch again until every rank's part has ended
   (no hang), and ``gather_for_metrics`` returns each sample exactly once.
+- With 2 loader workers (a torch stream that splits itself among workers, torch's contract, and a
+  ``datasets`` stream, which does): every sample read in each pass, and a loader resumed from its
+  ``state_dict`` after 3 batches reads the uninterrupted run's batches from there on.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections import Counter
 
 import pytest
 from support.distributed import run_workers
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 pytestmark = pytest.mark.multiprocess
 
@@ -27,17 +30,30 @@ class Stream(IterableDataset):
         return iter({"id": i} for i in range(self.n))
 
 
-def _worker(rank, world_size, kind, n, batch):
+class WorkerSplitStream(Stream):
+    """A stream that gives each loader worker its own part (``get_worker_info``), as torch asks of streams."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        ids = range(self.n) if info is None else range(info.id, self.n, info.num_workers)
+        return iter({"id": i} for i in ids)
+
+
+def _worker(rank, world_size, kind, n, batch, workers=0):
     import xshard
 
     acc = xshard.Accelerator(stage=0, seed=0)
-    if kind == "torch":
-        dataset = Stream(n)
-    else:
-        from datasets import Dataset
 
-        dataset = Dataset.from_dict({"id": list(range(n))}).to_iterable_dataset(num_shards=4)
-    loader = acc.prepare(DataLoader(dataset, batch_size=batch))
+    def prepared():
+        if kind == "torch":
+            dataset = WorkerSplitStream(n) if workers else Stream(n)
+        else:
+            from datasets import Dataset
+
+            dataset = Dataset.from_dict({"id": list(range(n))}).to_iterable_dataset(num_shards=4)
+        return acc.prepare(DataLoader(dataset, batch_size=batch, num_workers=workers))
+
+    loader = prepared()
     passes = []
     for _ in range(2):
         read, kept = [], []
@@ -45,7 +61,14 @@ def _worker(rank, world_size, kind, n, batch):
             read.append(b["id"].tolist())
             kept += acc.gather_for_metrics(acc.pad_across_processes(b["id"], pad_index=-1)).tolist()
         passes.append((read, kept))
-    return passes
+    if not workers:
+        return passes
+    interrupted = prepared()
+    for _, _ in zip(range(3), interrupted, strict=False):
+        pass
+    resumed = prepared()
+    resumed.load_state_dict(interrupted.state_dict())
+    return passes, [[b["id"].tolist() for b in resumed] for _ in range(2)]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -73,3 +96,17 @@ def test_a_datasets_stream_is_split_by_node_and_uneven_ends_do_not_hang(world):
             assert all(b == firsts[r] for b in read[len(own) + 1:])
         assert set(i for r in reads for b in r for i in b) == set(range(n))
         assert sorted(ranks[0][p][1]) == list(range(n))  # gather_for_metrics: each sample once
+
+
+@pytest.mark.parametrize("kind", ["torch", "datasets"])
+def test_a_stream_read_by_two_workers_is_read_once_per_pass_and_resumes_mid_epoch(kind):
+    n, batch, world = 37, 3, 2
+    ranks = run_workers(_worker, world, kind, n, batch, 2)
+    for p in range(2):
+        reads = [passes[p][0] for passes, _ in ranks]
+        assert len({len(r) for r in reads}) == 1
+        assert set(i for r in reads for b in r for i in b) == set(range(n))
+        if kind == "datasets":
+            assert sorted(ranks[0][0][p][1]) == list(range(n))  # gather_for_metrics: each sample once
+    for passes, resumed in ranks:
+        assert resumed == [passes[0][0][3:], passes[1][0]]  # the uninterrupted batches from the 4th on

@@ -298,9 +298,13 @@ class ShardedDataLoader:
         if self.sampler is not None:
             self.sampler.set_epoch(self.epoch)
             self.sampler.start = self.batches_consumed
+        # Each loader worker iterates its own copy of a stream (torch's contract: the stream splits itself
+        # among workers), and the loader takes their batches in turn: a skip inside the copies would skip each
+        # worker's first batches, so with workers the consumed batches are read again and dropped here.
+        skip_here = self.sampler is None and (self.stream is None or self.loader.num_workers > 0)
         if self.stream is not None:
             self.stream.set_epoch(self.epoch)
-            self.stream.start = self.batches_consumed
+            self.stream.start = 0 if skip_here else self.batches_consumed
         elif self._exchange_counts is not None:
             set_epoch = getattr(self.loader.dataset, "set_epoch", None)
             if callable(set_epoch):
@@ -313,8 +317,8 @@ class ShardedDataLoader:
         global _ITERATIONS
         _ITERATIONS += 1
         self.iteration_order = _ITERATIONS
-        if self.sampler is None and self.stream is None:  # a stream split by node, or a loader not sharded
-            # here (a stream on one process, ``shard=False``), resumes by reading its consumed batches again
+        if skip_here:  # a stream split by node or read by workers, or a loader not sharded here (a stream on
+            # one process, ``shard=False``), resumes by reading its consumed batches again
             for _ in range(self.batches_consumed):
                 skipped = next(source, _EXHAUSTED)
                 self._first = skipped if self._first is None and skipped is not _EXHAUSTED else self._first
