@@ -106,7 +106,7 @@ def test_state_dict_resumes_mid_epoch_without_rereading():
         if i == 2:
             break
     state = run.state_dict()
-    assert state == {"epoch": 0, "batches_consumed": 3, "world_size": 2, "split_by_node": False}
+    assert state == {"epoch": 0, "batches_consumed": 3, "world_size": 2, "step_samples": 6, "split_by_node": False}
 
     resumed = shard_data_loader(_loader(n=40), torch.device("cpu"), 2, 1, seed=9)
     resumed.load_state_dict(state)

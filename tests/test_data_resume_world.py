@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+import datasets
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
@@ -27,13 +28,13 @@ class Stream(IterableDataset):
         return iter(range(N))
 
 
-def _loader(kind: str) -> DataLoader:
+def _loader(kind: str, batch: int = BATCH) -> DataLoader:
     if kind == "stream":
-        return DataLoader(Stream(), batch_size=BATCH)
+        return DataLoader(Stream(), batch_size=batch)
     data = TensorDataset(torch.arange(N))
     if kind == "generator":
-        return DataLoader(data, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(7))
-    return DataLoader(data, batch_size=BATCH)
+        return DataLoader(data, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(7))
+    return DataLoader(data, batch_size=batch)
 
 
 def _ids(batch) -> list[int]:
@@ -45,7 +46,7 @@ def _order(kind: str) -> list[int]:
     return [i for b in _loader(kind) for i in _ids(b)]
 
 
-def _resumed_reads(kind: str, saved_world: int, steps: int, world: int) -> list[int]:
+def _resumed_reads(kind: str, saved_world: int, steps: int, world: int, batch: int = BATCH) -> list[int]:
     """Save after ``steps`` steps on ``saved_world`` ranks; the samples ``world`` ranks read next, step by step,
     ranks in order (what a gather of the ids gives)."""
     states = []
@@ -56,7 +57,8 @@ def _resumed_reads(kind: str, saved_world: int, steps: int, world: int) -> list[
         states.append(loader.state_dict())
     positions = [(s["epoch"], s["batches_consumed"]) for s in states]
     assert positions == [positions[0]] * saved_world  # one position, the same on every rank
-    loaders = [shard_data_loader(_loader(kind), CPU, world, rank) for rank in range(world)]
+    assert states[0]["step_samples"] == saved_world * BATCH
+    loaders = [shard_data_loader(_loader(kind, batch), CPU, world, rank) for rank in range(world)]
     for loader in loaders:
         loader.load_state_dict(states[0])
     return [i for step in zip(*loaders, strict=True) for batch in step for i in _ids(batch)]
@@ -74,13 +76,19 @@ def test_a_job_of_another_size_reads_the_rest_of_the_epochs_order(kind, saved_wo
     assert read == order[start * BATCH:(start + remaining) * BATCH]
     again = [r.getMessage() for r in caplog.records if "read again" in r.getMessage()]
     if consumed % world:
-        assert len(again) == world and f"so {consumed % world} batches of the order are read again" in again[0]
+        assert len(again) == world and f"reads {consumed % world * BATCH} of them again" in again[0]
     else:
         assert again == []
 
 
+@pytest.mark.parametrize("kind", ["generator", "stream"])
+def test_a_job_that_keeps_the_global_batch_on_fewer_ranks_resumes_at_the_same_sample(kind):
+    """2 ranks of batch 2 saved after 3 steps (12 samples); 1 rank of batch 4 reads on from sample 12."""
+    read = _resumed_reads(kind, 2, 3, 1, batch=4)
+    assert read == _order(kind)[12:]
+
+
 def test_a_stream_split_by_node_resumed_on_another_size_is_an_error_naming_both():
-    datasets = pytest.importorskip("datasets")
     stream = datasets.Dataset.from_dict({"x": list(range(16))}).to_iterable_dataset(num_shards=4)
 
     def prepared(world: int, rank: int):

@@ -108,8 +108,9 @@ def _job(job: JobState) -> dict[str, Any]:
 def _rng_state(job: JobState) -> dict[str, Any]:
     # Plain tensors, tuples and ints only, so that torch.load(weights_only=True) reads it back.
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    # Each loader's record of the base seed its epoch drew from this rank's RNG (``IteratorSeed``).
-    state["data_loaders"] = [loader.iterator_seed.state_dict() if hasattr(loader, "iterator_seed") else {}
+    # What each loader's rank alone knows of its position: the base seed its epoch drew from this rank's RNG,
+    # and a stateful stream's own state (``ShardedDataLoader.rank_state_dict``).
+    state["data_loaders"] = [loader.rank_state_dict() if hasattr(loader, "rank_state_dict") else {}
                              for loader in job.loaders]
     device = job.backend.rng_state()
     if device is not None:
@@ -130,8 +131,8 @@ def _set_rng_state(job: JobState, state: dict[str, Any]) -> None:
     job.backend.set_rng_state(state.get("device"))
     seeds = state.get("data_loaders") or []  # none in an older or a foreign checkpoint: the next pass draws afresh
     for i, loader in enumerate(job.loaders):
-        if hasattr(loader, "iterator_seed"):
-            loader.iterator_seed.load_state_dict(seeds[i] if i < len(seeds) else None)
+        if hasattr(loader, "load_rank_state_dict"):
+            loader.load_rank_state_dict(seeds[i] if i < len(seeds) else None)
     if "numpy" in state:
         import numpy as np
 

@@ -38,6 +38,7 @@ from ..sharding.trees import map_leaves
 from .batch_order import EpochBatches, RankBatches
 from .iterator_seed import IteratorSeed
 from .rank_logging import get_logger
+from .stream_position import StreamPosition
 from .stream_shard import StreamShard, split_by_node, splits_by_node
 
 _log = get_logger("xshard.data")
@@ -200,6 +201,11 @@ class ShardedDataLoader:
         self.iteration_order = 0
         #: this rank's record of the epoch's base-seed draw (checkpointed with the rank's RNG states)
         self.iterator_seed = IteratorSeed(loader)
+        #: a stateful stream's own position per batch (``stream_position``; kept with the rank's RNG states)
+        self.stream_position = StreamPosition(
+            stream.dataset if stream is not None else loader.dataset if isinstance(loader.dataset, IterableDataset)
+            else None, loader.num_workers)
+        self._read = 0  # batches of the epoch read from the loader so far (one ahead of those in use)
 
     @property
     def dataset(self) -> Any:
@@ -229,19 +235,33 @@ class ShardedDataLoader:
         rank's own record of its epoch's base-seed draw is ``iterator_seed.state_dict()`` (a checkpoint
         keeps it with the rank's RNG states)."""
         state: dict[str, Any] = {"epoch": self.epoch, "batches_consumed": self.batches_consumed,
-                                 "world_size": self.num_replicas, "split_by_node": self._exchange_counts is not None}
+                                 "world_size": self.num_replicas, "step_samples": self._step_samples(),
+                                 "split_by_node": self._exchange_counts is not None}
         if self.sampler is not None:
             state.update(self.sampler.source.state_dict())
         return state
 
+    def rank_state_dict(self) -> dict[str, Any]:
+        """What this rank alone knows of its position: its epoch's base-seed draw (``IteratorSeed``) and, for
+        a stateful stream, the stream's own state after the batch in use (``StreamPosition``)."""
+        return {**self.iterator_seed.state_dict(),
+                **self.stream_position.state_dict(self.epoch, self.batches_consumed)}
+
+    def load_rank_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        """Take back ``rank_state_dict()``'s record (None: an older checkpoint; the next pass draws afresh and a
+        stream reads its consumed batches again)."""
+        self.iterator_seed.load_state_dict(state)
+        self.stream_position.load_state_dict(state)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at ``state``: the next pass starts after ``batches_consumed`` batches of ``epoch``.
 
-        Saved by a job of another world size, the position is carried over in samples of the epoch's order:
-        ``batches_consumed`` batches on each of ``W`` ranks are ``batches_consumed * W`` batches of the order,
-        read from there on by this job's ranks (where that does not divide by this world size, the pass starts
-        at the round before, and those few batches are read again: a warning says how many). A stream split
-        by node cannot be carried over (its ranks read other files at another size): an error.
+        Saved by a job of another world size or batch size, the position is carried over in samples of the
+        epoch's order: ``batches_consumed`` steps that each read ``S`` samples of the order (``S`` = batch size
+        times world size; the loader's batch with ``split_batches``) are ``batches_consumed * S`` samples, read
+        from there on by this job's steps (where that does not divide by this job's ``S``, the pass starts at
+        the step before, and those samples are read again: a warning says how many). A stream split by node
+        cannot be carried over (its ranks read other files at another size): an error.
         """
         self.epoch = int(state["epoch"])
         self.batches_consumed = self._carried_over(state)
@@ -255,25 +275,30 @@ class ShardedDataLoader:
                     pass
             self.epoch, self.batches_consumed = self.epoch + 1, 0
 
+    def _step_samples(self) -> int | None:
+        """Samples of the epoch's order one step reads over all ranks (None: batches of unknown size)."""
+        return None if self._batch_size is None else self._batch_size * self.num_replicas
+
     def _carried_over(self, state: Mapping[str, Any]) -> int:
-        """The saved batches per rank, as batches per rank of this job's world."""
+        """The saved position (steps of the saving job), as steps of this job."""
         consumed, saved_world = int(state["batches_consumed"]), int(state.get("world_size", self.num_replicas))
-        if saved_world == self.num_replicas:
+        saved_step, step = state.get("step_samples", self._step_samples()), self._step_samples()
+        if (saved_world, saved_step) == (self.num_replicas, step):
             return consumed
         if state.get("split_by_node") or self._exchange_counts is not None:
             raise ValueError(
                 f"{_name(self.loader)}: the checkpoint's position is in the stream's split by node over {saved_world} "
                 f"processes, and this job has {self.num_replicas} (each would read other shards): resume on "
                 f"{saved_world} processes")
-        if self._split_batches:
-            return consumed  # a step reads one batch of the order at any size
-        batches, again = divmod(consumed * saved_world, self.num_replicas)
+        if saved_step is None or step is None:  # batches of unknown size: counted in the loader's batches
+            saved_step, step = (1, 1) if self._split_batches else (saved_world, self.num_replicas)
+        steps, again = divmod(consumed * saved_step, step)
         if again:
             _log.warning(
-                "%s: saved after %d batches of the epoch's order on %d processes; on %d it resumes after %d, so %d "
-                "batches of the order are read again", _name(self.loader), consumed * saved_world, saved_world,
-                self.num_replicas, batches * self.num_replicas, again)
-        return batches
+                "%s: saved after %d steps reading %d samples (or batches) of the epoch's order each; a step of this "
+                "job reads %d, so it resumes after %d steps and reads %d of them again", _name(self.loader), consumed,
+                saved_step, step, steps, again)
+        return steps
 
     def real_counts(self) -> tuple[list[int], int] | None:
         """(per rank, the real samples of the batch in use; the batch's samples per rank): the others
@@ -304,11 +329,16 @@ class ShardedDataLoader:
         skip_here = self.sampler is None and (self.stream is None or self.loader.num_workers > 0)
         if self.stream is not None:
             self.stream.set_epoch(self.epoch)
-            self.stream.start = 0 if skip_here else self.batches_consumed
         elif self._exchange_counts is not None:
             set_epoch = getattr(self.loader.dataset, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(self.epoch)  # a stream split by node: its shuffle follows the epoch
+        if self.stream_position.resume(self.epoch, self.batches_consumed):
+            skip_here = False  # the stream restarted where it was saved: nothing to read again
+            if self.stream is not None:
+                self.stream.start = 0
+        elif self.stream is not None:
+            self.stream.start = 0 if skip_here else self.batches_consumed
         self.end_of_epoch = False
         self._first, self._counts = None, []
         with self.iterator_seed.drawing(starts_epoch=self.batches_consumed == 0):
@@ -322,6 +352,7 @@ class ShardedDataLoader:
             for _ in range(self.batches_consumed):
                 skipped = next(source, _EXHAUSTED)
                 self._first = skipped if self._first is None and skipped is not _EXHAUSTED else self._first
+        self._read = self.batches_consumed
         # Look one batch ahead so the last batch is known while it is in use.
         upcoming = self._next(source)
         self.in_iteration = upcoming is not _EXHAUSTED
@@ -343,7 +374,9 @@ class ShardedDataLoader:
         """The next batch, or ``_EXHAUSTED``. Where the ranks' streams may end apart, the pass goes on while
         any rank has a batch, a rank whose stream ended reading its first batch again (real samples: 0),
         so that no rank waits alone in a collective and every sample is read."""
+        self.stream_position.before_read(self.epoch, self._read)
         upcoming = next(source, _EXHAUSTED)
+        self._read += 1
         if self._exchange_counts is None:
             return upcoming
         if upcoming is not _EXHAUSTED and self._first is None:
