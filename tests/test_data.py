@@ -148,3 +148,21 @@ def test_the_backend_wrapper_is_applied():
     loader = shard_data_loader(_loader(), torch.device("cpu"), 1, 0, wrap=wrap)
     list(loader)
     assert len(wrapped) == 1 and isinstance(wrapped[0], DataLoader)
+
+
+def test_forked_workers_are_flagged_only_on_interpreters_with_the_fork_deadlock(monkeypatch):
+    """CPython before 3.11.10 can deadlock a forked worker (gh-112275); prepare() warns there (fork_may_deadlock)."""
+    import multiprocessing
+    import sys
+
+    from xshard.runtime.data import fork_may_deadlock
+
+    data = TensorDataset(torch.arange(8))
+    forked = DataLoader(data, num_workers=2, multiprocessing_context="fork")
+    monkeypatch.setattr(sys, "version_info", (3, 11, 7, "final", 0))
+    assert fork_may_deadlock(forked)
+    assert not fork_may_deadlock(DataLoader(data, num_workers=0))
+    assert not fork_may_deadlock(DataLoader(data, num_workers=2, multiprocessing_context="forkserver"))
+    assert fork_may_deadlock(DataLoader(data, num_workers=2)) == (multiprocessing.get_start_method() == "fork")
+    monkeypatch.setattr(sys, "version_info", (3, 11, 10, "final", 0))
+    assert not fork_may_deadlock(forked)

@@ -38,6 +38,7 @@ import contextlib
 import datetime
 import os
 import random
+import sys
 import uuid
 import warnings
 import weakref
@@ -61,7 +62,7 @@ from .checkpoint import auto_resume
 from .config.accelerate_args import AccelerateSettings, read_accelerate_args
 from .config.accelerate_config import load_config, read_config_source, resolved_ds_config
 from .runtime import grads
-from .runtime.data import ShardedDataLoader, shard_data_loader
+from .runtime.data import ShardedDataLoader, fork_may_deadlock, shard_data_loader
 from .runtime.dry_run_report import DryRunReport
 from .runtime.job import JobState
 from .runtime.launch_marker import mark_accelerator_built
@@ -422,6 +423,13 @@ class Accelerator(AccelerateSurface):
         )
         self.job.loaders.append(prepared)
         self._fill_auto_batch(prepared)
+        if fork_may_deadlock(loader):
+            log.warning_once(
+                "this interpreter (Python %s) can deadlock a DataLoader worker as it forks while the job's threads "
+                "run (CPython gh-112275, fixed in 3.11.10 and 3.12): a worker then never starts and its rank "
+                "waits; use Python >= 3.11.10, or DataLoader(multiprocessing_context='forkserver') with the "
+                "script's code under `if __name__ == \"__main__\":`", sys.version.split()[0],
+                main_process_only=True)
         return prepared
 
     def _main_process_value(self, tensor: torch.Tensor) -> torch.Tensor:
