@@ -8,7 +8,8 @@ and by xshard's (``xshard launch``), only the import changed: every step's logge
 - with ``--train_sampling_strategy batch_rebalance`` and 2 loader workers (transformers'
   ``BatchRebalanceSampler`` draws each rank's share itself: prepare reads it whole, not sharded again);
 - with an ``IterableDataset`` train set and ``--max_steps`` (each process reading its slice of every global
-  batch: ``dispatch_batches`` off, as Accelerate's dispatching cannot join batches padded to other lengths).
+  batch: ``dispatch_batches`` off, as Accelerate's dispatching cannot join batches padded to other lengths),
+  and an ``IterableDataset`` evaluation set: ``evaluate()``'s and ``predict()``'s losses and rows too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support.jobs import run_job
@@ -31,7 +33,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "
 XSHARD = [sys.executable, "-m", "xshard", "launch", "--nproc", "2"]
 
 
-def _run(command: list[str], trainer: str, model: Path, out: Path, *extra: str) -> dict[str, dict[int, float]]:
+def _run(command: list[str], trainer: str, model: Path, out: Path, *extra: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
     env.update(SFT_TRAINER=trainer, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true")
     args = ["--model_name_or_path", str(model), "--data_path", str(DATA), "--max_records", "48",
@@ -41,8 +43,11 @@ def _run(command: list[str], trainer: str, model: Path, out: Path, *extra: str) 
     proc = run_job([*command, str(SCRIPT), *args], timeout=270, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
-    return {key: {h["step"]: h[key] for h in history if key in h and "train_runtime" not in h}
-            for key in ("loss", "grad_norm")}
+    logged: dict[str, Any] = {key: {h["step"]: h[key] for h in history if key in h and "train_runtime" not in h}
+                              for key in ("loss", "grad_norm")}
+    if (out / "eval_results.json").is_file():
+        logged["eval"] = json.loads((out / "eval_results.json").read_text())
+    return logged
 
 
 @pytest.mark.parametrize("extra", [
@@ -58,9 +63,13 @@ def test_a_sampling_strategy_gives_the_stock_trainers_losses_on_2_processes(tiny
 
 
 def test_an_iterable_train_set_gives_the_stock_trainers_losses_on_2_processes(tiny_model, tmp_path):
-    extra = ("--streaming", "true", "--accelerator_config", '{"dispatch_batches": false}')
+    extra = ("--streaming", "true", "--accelerator_config", '{"dispatch_batches": false}', "--eval_records", "9")
     stock, ours = side_by_side(lambda: _run(TORCHRUN, "stock", tiny_model, tmp_path / "stock", *extra),
                                lambda: _run(XSHARD, "xshard", tiny_model, tmp_path / "xshard", *extra))
     for key in ("loss", "grad_norm"):
         assert list(ours[key]) == list(stock[key]) == [1, 2, 3, 4, 5, 6], key
         assert list(ours[key].values()) == pytest.approx(list(stock[key].values()), rel=1e-4), key
+    # the held-out stream: evaluate() and predict() over an IterableDataset eval set
+    assert ours["eval"]["predicted_rows"] == stock["eval"]["predicted_rows"]
+    for key in ("eval_loss", "predict_loss"):
+        assert ours["eval"][key] == pytest.approx(stock["eval"][key], rel=1e-4), key

@@ -8,7 +8,7 @@ chosen here by ``SFT_TRAINER=stock|xshard`` (default xshard) so that the tests c
     xshard launch --nproc 2 tests/support/trainer_sft_script.py --model_name_or_path tiny --data_path data.json \\
         --output_dir out --max_steps 8 --per_device_train_batch_size 2 --logging_steps 1
 
-``--streaming true`` reads the training examples as an ``IterableDataset`` (with ``--max_steps``). ``--lora_r R`` trains a PEFT LoRA adapter instead of the whole model. ``--resume_from_checkpoint true`` resumes from the newest checkpoint in ``--output_dir``. With
+``--streaming true`` reads the training (and held-out) examples as an ``IterableDataset`` (with ``--max_steps``). ``--lora_r R`` trains a PEFT LoRA adapter instead of the whole model. ``--resume_from_checkpoint true`` resumes from the newest checkpoint in ``--output_dir``. With
 ``--eval_records N`` the last N records are held out: ``evaluate()`` and ``predict()`` run after training and
 the main process writes their results to ``eval_results.json``.
 """
@@ -135,7 +135,9 @@ def main(argv: Sequence[str] | None = None, impl: str | None = None) -> Any:
     train: Any = SupervisedDataset(train_records, tokenizer, data_args.model_max_length)
     if data_args.streaming:
         train = Streamed(train)
-    evaluation = SupervisedDataset(records[-held_out:], tokenizer, data_args.model_max_length) if held_out else None
+    evaluation: Any = SupervisedDataset(records[-held_out:], tokenizer, data_args.model_max_length) if held_out else None
+    if data_args.streaming and evaluation is not None:
+        evaluation = Streamed(evaluation)
 
     trainer = Trainer(model=model, args=training_args, processing_class=tokenizer, train_dataset=train,
                       eval_dataset=evaluation, data_collator=DataCollatorForSupervisedDataset(tokenizer.pad_token_id))
