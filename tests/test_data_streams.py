@@ -8,7 +8,8 @@
   (no hang), and ``gather_for_metrics`` returns each sample exactly once.
 - With 2 loader workers (a torch stream that splits itself among workers, torch's contract, and a
   ``datasets`` stream, which does): every sample read in each pass, and a loader resumed from its
-  ``state_dict`` after 3 batches reads the uninterrupted run's batches from there on.
+  ``state_dict`` after 3 batches reads the uninterrupted run's batches from there on; without workers a
+  ``datasets`` stream split by node resumes from its own state, also once a rank's part has ended.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class WorkerSplitStream(Stream):
         return iter({"id": i} for i in ids)
 
 
-def _worker(rank, world_size, kind, n, batch, workers=0):
+def _worker(rank, world_size, kind, n, batch, workers=0, resume_at=None):
     import xshard
 
     acc = xshard.Accelerator(stage=0, seed=0)
@@ -61,13 +62,14 @@ def _worker(rank, world_size, kind, n, batch, workers=0):
             read.append(b["id"].tolist())
             kept += acc.gather_for_metrics(acc.pad_across_processes(b["id"], pad_index=-1)).tolist()
         passes.append((read, kept))
-    if not workers:
+    if resume_at is None:
         return passes
     interrupted = prepared()
-    for _, _ in zip(range(3), interrupted, strict=False):
+    for _, _ in zip(range(resume_at), interrupted, strict=False):
         pass
     resumed = prepared()
     resumed.load_state_dict(interrupted.state_dict())
+    resumed.load_rank_state_dict(interrupted.rank_state_dict())  # what a checkpoint keeps of each rank
     return passes, [[b["id"].tolist() for b in resumed] for _ in range(2)]
 
 
@@ -101,7 +103,7 @@ def test_a_datasets_stream_is_split_by_node_and_uneven_ends_do_not_hang(world):
 @pytest.mark.parametrize("kind", ["torch", "datasets"])
 def test_a_stream_read_by_two_workers_is_read_once_per_pass_and_resumes_mid_epoch(kind):
     n, batch, world = 37, 3, 2
-    ranks = run_workers(_worker, world, kind, n, batch, 2)
+    ranks = run_workers(_worker, world, kind, n, batch, 2, 3)
     for p in range(2):
         reads = [passes[p][0] for passes, _ in ranks]
         assert len({len(r) for r in reads}) == 1
@@ -110,3 +112,13 @@ def test_a_stream_read_by_two_workers_is_read_once_per_pass_and_resumes_mid_epoc
             assert sorted(ranks[0][0][p][1]) == list(range(n))  # gather_for_metrics: each sample once
     for passes, resumed in ranks:
         assert resumed == [passes[0][0][3:], passes[1][0]]  # the uninterrupted batches from the 4th on
+
+
+@pytest.mark.parametrize("resume_at", [3, 6])
+def test_a_datasets_stream_split_by_node_resumes_from_its_own_state_where_its_ranks_end_apart(resume_at):
+    """Without workers each rank's stream restarts from its own state_dict(); after 6 steps rank 1's part (18
+    samples, 6 batches) has ended while rank 0's (19) has one more batch: rank 1 reads its pass again to have its
+    first batch to repeat, and both read the uninterrupted run's batches."""
+    ranks = run_workers(_worker, 2, "datasets", 37, 3, 0, resume_at)
+    for passes, resumed in ranks:
+        assert resumed == [passes[0][0][resume_at:], passes[1][0]]

@@ -335,6 +335,12 @@ class ShardedDataLoader:
             set_epoch = getattr(self.loader.dataset, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(self.epoch)  # a stream split by node: its shuffle follows the epoch
+        first = _EXHAUSTED
+        if self._exchange_counts is not None and self.stream_position.restorable(self.epoch, self.batches_consumed):
+            # A rank whose part ends before the others' reads its pass's first batch again (``_next``): read it
+            # from the pass's start before the stream jumps to where it was saved.
+            with self.iterator_seed.drawing(starts_epoch=False):
+                first = next(iter(self._wrap(self.loader)), _EXHAUSTED)
         if self.stream_position.resume(self.epoch, self.batches_consumed):
             skip_here = False  # the stream restarted where it was saved: nothing to read again
             if self.stream is not None:
@@ -342,7 +348,7 @@ class ShardedDataLoader:
         elif self.stream is not None:
             self.stream.start = 0 if skip_here else self.batches_consumed
         self.end_of_epoch = False
-        self._first, self._counts = None, []
+        self._first, self._counts = (None if first is _EXHAUSTED else first), []
         with self.iterator_seed.drawing(starts_epoch=self.batches_consumed == 0):
             source = iter(self._wrap(self.loader))
         non_blocking = bool(self.loader.pin_memory) if self._non_blocking is None else self._non_blocking

@@ -12,9 +12,10 @@ the same epoch at the same position hands it back to the stream and reads nothin
 Only where the stream is read in the loader's own process (``num_workers=0``): with workers each worker
 iterates its own copy of the stream, whose state never reaches the loader's process (torchdata's
 ``StatefulDataLoader`` sends it back with the batches; torch's ``DataLoader`` does not), so those resume by
-reading again. Known difference from an uninterrupted run: a stream cut per global batch completes its
-last, short window with samples of the pass's first window, which after such a resume is the first window
-read after it.
+reading again. A stream split by node whose rank's part ends before the others' reads its pass's first batch
+again; a resumed pass reads that batch from the pass's start before the stream jumps ahead. Known difference
+from an uninterrupted run: a stream cut per global batch completes its last, short window with samples of the
+pass's first window, which after such a resume is the first window read after it.
 """
 
 from __future__ import annotations
@@ -67,12 +68,17 @@ class StreamPosition:
         """Keep ``state`` for the pass that resumes at its position (``resume``)."""
         self._restored = dict(state) if state and "stream_state" in state else None
 
+    def restorable(self, epoch: int, batches_consumed: int) -> bool:
+        """Whether a pass of ``epoch`` that starts after ``batches_consumed`` batches will restore the stream."""
+        restored = self._restored
+        return (self.dataset is not None and restored is not None and batches_consumed > 0
+                and (restored["stream_epoch"], restored["stream_batches"]) == (epoch, batches_consumed))
+
     def resume(self, epoch: int, batches_consumed: int) -> bool:
         """At the start of a pass: give the stream its saved state when the pass starts where it was saved
         (True: the stream is there, nothing to skip); the saved state is used once."""
-        restored, self._restored = self._restored, None
-        if (self.dataset is None or restored is None or batches_consumed == 0
-                or (restored["stream_epoch"], restored["stream_batches"]) != (epoch, batches_consumed)):
+        restorable, restored, self._restored = self.restorable(epoch, batches_consumed), self._restored, None
+        if not restorable or restored is None or self.dataset is None:
             return False
         self.dataset.load_state_dict(restored["stream_state"])
         self._states = {(epoch, batches_consumed): restored["stream_state"]}
