@@ -8,8 +8,10 @@ One module per job, none of them imported by the core (``xshard.sharding``) or t
   step (the straight chain of one step);
 - ``prepared``: the optimizer and LR scheduler ``prepare`` hands back (the optimizer gates on the accumulation
   window and asks the precision owner to step);
-- ``data``: loaders sharded per rank, device placement, mid-epoch resume; ``iterator_seed``: the RNG draw each
-  pass over a loader starts with, replayed on resume;
+- ``data``: loaders sharded per rank, device placement, mid-epoch resume; ``batch_order``: which batches of a
+  map-style loader each rank reads; ``stream_shard``: how a stream is split; ``stream_position``: a stateful
+  stream's own position, kept per rank; ``iterator_seed``: the RNG draw each pass over a loader starts with,
+  replayed on resume;
 - ``grads``: clipping inside an accumulation window, as Accelerate does it;
 - ``rebind``: optimizers built before ``prepare`` follow the Parameters the core replaced;
 - ``rank_logging``: per-rank log levels and the main process's progress bars;
