@@ -299,7 +299,7 @@ class ShardedDataLoader:
             _log.warning(
                 "%s: saved after %d steps reading %d samples (or batches) of the epoch's order each; a step of this "
                 "job reads %d, so it resumes after %d steps and reads %d of them again", _name(self.loader), consumed,
-                saved_step, step, steps, again)
+                saved_step, step, steps, again, main_process_only=True)
         return steps
 
     def real_counts(self) -> tuple[list[int], int] | None:
