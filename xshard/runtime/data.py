@@ -13,7 +13,9 @@ collate function, workers) and adds what training needs:
 - the epoch advances by itself at the end of each pass (``set_epoch`` still works), so each epoch
   has a new shuffle without user code;
 - the position (epoch and batches consumed) is remembered: ``state_dict()`` / ``load_state_dict()``
-  resume mid-epoch without reading the skipped samples again (a stream reads and drops them);
+  resume mid-epoch without reading the skipped samples again (a stream restarts from its own
+  ``state_dict()`` where it has one, ``stream_position``, else reads and drops them), also on another
+  world size (the position is carried over in samples of the epoch's order);
 - the RNG draw each pass makes (the workers' base seed, from torch's global RNG when the loader has no
   generator) happens once per epoch, as in a loop that is not interrupted: a pass that continues an
   epoch replays the epoch's draw (``IteratorSeed``), so a resumed run's dropout masks and workers' seeds
