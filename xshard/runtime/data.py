@@ -327,10 +327,6 @@ class ShardedDataLoader:
         if self.sampler is not None:
             self.sampler.set_epoch(self.epoch)
             self.sampler.start = self.batches_consumed
-        # Each loader worker iterates its own copy of a stream (torch's contract: the stream splits itself
-        # among workers), and the loader takes their batches in turn: a skip inside the copies would skip each
-        # worker's first batches, so with workers the consumed batches are read again and dropped here.
-        skip_here = self.sampler is None and (self.stream is None or self.loader.num_workers > 0)
         if self.stream is not None:
             self.stream.set_epoch(self.epoch)
         elif self._exchange_counts is not None:
@@ -343,12 +339,14 @@ class ShardedDataLoader:
             # from the pass's start before the stream jumps to where it was saved.
             with self.iterator_seed.drawing(starts_epoch=False):
                 first = next(iter(self._wrap(self.loader)), _EXHAUSTED)
-        if self.stream_position.resume(self.epoch, self.batches_consumed):
-            skip_here = False  # the stream restarted where it was saved: nothing to read again
-            if self.stream is not None:
-                self.stream.start = 0
-        elif self.stream is not None:
-            self.stream.start = 0 if skip_here else self.batches_consumed
+        restored = self.stream_position.resume(self.epoch, self.batches_consumed)
+        # Where the consumed batches are skipped: a sampler or a stream cut here skips them unread; a stream
+        # restored from its own state has none to skip; any other loader reads them again and drops them here,
+        # as does a stream read by workers (each worker iterates its own copy, torch's contract, and the loader
+        # takes their batches in turn: a skip inside the copies would skip each worker's first batches).
+        skip_here = not restored and self.sampler is None and (self.stream is None or self.loader.num_workers > 0)
+        if self.stream is not None:
+            self.stream.start = 0 if restored or skip_here else self.batches_consumed
         self.end_of_epoch = False
         self._first, self._counts = (None if first is _EXHAUSTED else first), []
         with self.iterator_seed.drawing(starts_epoch=self.batches_consumed == 0):
