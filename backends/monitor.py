@@ -16,7 +16,8 @@ when the process group saw a connection close, the live ones are watched for ``P
 killed process closes its sockets a moment before it is a zombie). Elsewhere, a rank whose heartbeat
 stopped for ``PATIENCE`` seconds is dead when a connection closed (a process that ends closes its
 sockets) and unreachable when none did (its node is down or cut off). The error is then
-``RankDiedError``. "Never arrived" is said only of live ranks. A rank never lists itself.
+``RankDiedError``. "Never arrived" is said only of live ranks; a process on this host that a signal or a
+debugger stopped is named stopped, wherever its entry says it is. A rank never lists itself.
 
 The diagnosis never waits on the store it diagnoses: a store cut off from this host answers nothing,
 ever (``backends/bounded_store.py``), so each store call gives up after a bound (a fifth of the timeout,
@@ -372,23 +373,27 @@ class CollectiveMonitor:
         now = time.time()
         if entries is None:
             entries = self._read_entries()
-        behind = {r: e for r, e in entries.items() if e is None or e["number"] < number}
-        waiting_too = sorted(r for r, e in entries.items() if e is not None and e["number"] == number and e["waiting"])
-        elsewhere = {r: e for r, e in entries.items() if e is not None and e["number"] > number}
+        # a rank of this host whose process is stopped is named as such wherever its entry says it is: a rank
+        # stopped inside the collective (its main thread published the wait, then a signal or a debugger held
+        # the process) blocks it as surely as one that never came, yet would read as "waiting in it as well"
+        here = {r: e for r, e in entries.items() if e is not None and e.get("host") == self._host and "pid" in e}
+        stopped = {r: (e, how) for r, e in here.items() if (how := _process_stopped(int(e["pid"])))}
+        moving = {r: e for r, e in entries.items() if r not in stopped}
+        behind = {r: e for r, e in moving.items() if e is None or e["number"] < number}
+        waiting_too = sorted(r for r, e in moving.items() if e is not None and e["number"] == number and e["waiting"])
+        elsewhere = {r: e for r, e in moving.items() if e is not None and e["number"] > number}
         lines = [f"collective #{number} ({description}) has waited {now - since:.0f} s on rank {self.rank}."]
         if closed:
             lines.append("A peer's connection closed (the process group says so), yet every rank that published "
                          "its progress is alive.")
+        if stopped:
+            lines.append("These ranks are stopped, and the collective cannot complete until they go on: " + "; ".join(
+                f"rank {r} (its process {e['pid']} {how}; {_last_collective(e, now)})"
+                for r, (e, how) in sorted(stopped.items())) + ". Let them continue (SIGCONT, or detach the debugger), "
+                "or end the job and resume from the last checkpoint.")
         if behind:
-            parts = []
-            for r, e in sorted(behind.items()):
-                if e is None:
-                    parts.append(f"rank {r} (no progress published: it may have died or never started)")
-                    continue
-                state = "waiting in it" if e["waiting"] else f"finished {now - e['since']:.0f} s ago"
-                frozen = _process_stopped(int(e["pid"])) if e.get("host") == self._host and "pid" in e else ""
-                parts.append(f"rank {r} (its last collective is #{e['number']}, {e['description']}, {state}"
-                             + (f"; its process {e['pid']} {frozen}" if frozen else "") + ")")
+            parts = [f"rank {r} (no progress published: it may have died or never started)" if e is None
+                     else f"rank {r} ({_last_collective(e, now)})" for r, e in sorted(behind.items())]
             lines.append("These ranks never arrived: " + "; ".join(parts) + ". Look at what they do after that "
                          "collective: a deadlock, a stuck data loader, or a branch only some ranks take "
                          "(e.g. code under `if accelerator.is_main_process:` that runs the model: use "
@@ -399,6 +404,12 @@ class CollectiveMonitor:
         if waiting_too:
             lines.append(f"Waiting in it as well: ranks {', '.join(map(str, waiting_too))}.")
         return " ".join(lines)
+
+
+def _last_collective(entry: dict[str, Any], now: float) -> str:
+    """Where a rank's entry says it is: "its last collective is #N, what it moves, waiting in it" (or finished)."""
+    state = "waiting in it" if entry["waiting"] else f"finished {now - entry['since']:.0f} s ago"
+    return f"its last collective is #{entry['number']}, {entry['description']}, {state}"
 
 
 def _other_nodes(rank: int, world_size: int) -> str:
