@@ -138,6 +138,21 @@ def test_a_custom_batch_sampler_is_dealt_out_by_batches():
     assert len(_ids(passthrough)) == 4
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_the_sharded_loader_keeps_every_setting_of_the_users_loader(shuffle):
+    """Only the batching changes: workers, prefetching, ordering, timeouts and hooks are the user's."""
+    def init(worker_id: int) -> None:
+        torch.manual_seed(worker_id)
+
+    user = DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=shuffle, num_workers=2,
+                      prefetch_factor=3, persistent_workers=True, in_order=False, timeout=30.0,
+                      worker_init_fn=init, multiprocessing_context="spawn", pin_memory_device="cpu")
+    inner = shard_data_loader(user, torch.device("cpu"), 2, 1).loader
+    for setting in ("num_workers", "prefetch_factor", "persistent_workers", "in_order", "timeout", "worker_init_fn",
+                    "multiprocessing_context", "pin_memory_device", "collate_fn"):
+        assert getattr(inner, setting) == getattr(user, setting), setting
+
+
 def test_the_backend_wrapper_is_applied():
     wrapped = []
 

@@ -154,7 +154,10 @@ def _rebuild(loader: DataLoader, dataset: Any, batching: dict[str, Any],
         "worker_init_fn": loader.worker_init_fn,
         "generator": loader.generator,
         "persistent_workers": loader.persistent_workers,
+        "in_order": loader.in_order,
     }
+    if loader.pin_memory_device:  # an empty string is torch's default (the accelerator's device)
+        kwargs["pin_memory_device"] = loader.pin_memory_device
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
         kwargs["multiprocessing_context"] = loader.multiprocessing_context
