@@ -6,7 +6,8 @@
 What is timed is the loop a training script runs over a prepared loader, with no model: ``for batch in
 loader`` over ``--batches`` batches of ``--batch-size`` token rows (``input_ids`` and ``attention_mask``, a
 dict per sample, collated by torch's default collate), after the first batch. Each configuration runs in a
-fresh set of processes (``rank_runner``), Accelerate's and xshard's one after the other:
+fresh set of processes (``rank_runner``), Accelerate's and xshard's one after the other (xshard's first in
+every other repeat):
 
 - map-style: a shuffled ``DataLoader`` over a list of samples;
 - iterable: an ``IterableDataset`` generating the same samples (Accelerate slices each global batch,
@@ -103,9 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("map", "iterable"):
         for workers in args.workers:
             ratios = []
-            for _ in range(args.repeats):
+            for repeat in range(args.repeats):
                 us = {}
-                for lib in ("accelerate", "xshard"):
+                # the machine warms (page cache, CPU frequency) as a pair runs: who goes first alternates
+                for lib in ("accelerate", "xshard")[::1 if repeat % 2 == 0 else -1]:
                     results = run_ranks([script, *common, "--worker", lib, kind, str(workers)], args.world_size)
                     us[lib] = max(r["us_per_batch"] for r in results)
                 ratios.append(us["xshard"] / us["accelerate"])
