@@ -106,6 +106,8 @@ class CommunicationAPI:
                     f"but the environment says rank {self.world.rank} of {self.world.world_size}: "
                     "start the process group once, with the launcher's RANK and WORLD_SIZE"
                 )
+            if _ExitGuard.owner is None:  # nobody else leaves it at exit (transformers' arguments start
+                _ExitGuard.owner = self  # Accelerate's PartialState, whose group is never left): this backend does
             return
         kwargs: dict[str, Any] = {
             "backend": self.dist_backend,
@@ -144,14 +146,17 @@ class CommunicationAPI:
         if self._owns_process_group and dist.is_initialized():
             monitor.stop_all()  # every backend's monitor watches the group that goes away (monitor.py)
             dist.destroy_process_group()
-        if _ExitGuard.owner is self:
+        if _ExitGuard.owner is self and not dist.is_initialized():  # a group it joined still runs: left at exit
             _ExitGuard.owner = None
         self._owns_process_group = False
         self._collectives = None
         self._subgroups.clear()
 
     def leave_at_exit(self) -> None:
-        """At the interpreter's exit: leave the process group if this process has no collective in flight.
+        """At the interpreter's exit: leave the process group if this process has no collective in flight,
+        whether this backend started it or joined one another library started and nobody leaves (the
+        transformers arguments of a TRL config start Accelerate's ``PartialState``, and a TRL job through
+        ``TrainerMixin`` ended with exit 134 after all its work, as below).
 
         Why. The process group's threads release each finished work's tensors, and a tensor that has
         a Python object takes the GIL to do so. A work released after the interpreter began to shut
@@ -166,11 +171,12 @@ class CommunicationAPI:
         is for peers that may never come, and a failing rank must end at once so that the others
         learn of it.
         """
-        if not self._owns_process_group or not dist.is_initialized():
+        if _ExitGuard.owner is not self or not dist.is_initialized():
             return
         if IN_FLIGHT.count:  # any backend's collectives: the Trainer's arguments and its Accelerator each have one
             log.debug("process group kept at exit: %d collective(s) in flight", IN_FLIGHT.count)
             return
+        self._owns_process_group = True  # at exit the group is this backend's to leave, whoever started it
         self.destroy_process_group()
 
     # ------------------------------------------------------------------ collectives
@@ -297,7 +303,8 @@ def rendezvous_store(timeout: datetime.timedelta | None) -> Any:
 
 
 class _ExitGuard:
-    """The backend that started this process's process group (one at a time), left at exit."""
+    """The backend that leaves this process's process group at exit (``leave_at_exit``): the one that started
+    it, else the first that joined a group another library started."""
 
     owner: CommunicationAPI | None = None
 
