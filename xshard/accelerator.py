@@ -271,8 +271,12 @@ class Accelerator(AccelerateSurface):
 
     @property
     def gradient_accumulation_steps(self) -> int:
-        """Micro-steps per optimizer step (from the config)."""
+        """Micro-steps per optimizer step (from the config; settable, as in Accelerate)."""
         return self.job.gradient_accumulation_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.job.set_gradient_accumulation_steps(steps)  # the window, backward's division, gradient_state follow
 
     @property
     def gradient_clipping(self) -> float:

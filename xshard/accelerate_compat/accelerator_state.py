@@ -188,13 +188,25 @@ class DeepSpeedPluginView:
     """``accelerator.state.deepspeed_plugin`` when the config came from DeepSpeed.
 
     ``deepspeed_config`` is the ds_config as xshard resolved it (``"auto"`` values filled, the
-    micro-batch once a data loader is prepared); ``zero_stage``, ``gradient_accumulation_steps``,
+    micro-batch once a data loader is prepared, the accumulation a script set with
+    ``accelerator.gradient_accumulation_steps = n``); ``zero_stage``, ``gradient_accumulation_steps``,
     ``gradient_clipping`` are read from the job's config.
     """
 
     def __init__(self, config: Any, ds_config: dict[str, Any]) -> None:
         self._config = config
-        self.deepspeed_config = ds_config
+        self._ds_config = ds_config
+
+    @property
+    def deepspeed_config(self) -> dict[str, Any]:
+        """The resolved ds_config, its accumulation (and ``train_batch_size`` with it) the job's current one."""
+        ds, steps = self._ds_config, int(self._config.gradient_accumulation_steps)
+        shown = ds.get("gradient_accumulation_steps")
+        if isinstance(shown, int) and shown != steps:
+            if isinstance(ds.get("train_batch_size"), int):
+                ds["train_batch_size"] = ds["train_batch_size"] // shown * steps
+            ds["gradient_accumulation_steps"] = steps
+        return ds
 
     @property
     def zero_stage(self) -> int:

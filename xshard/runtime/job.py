@@ -13,6 +13,13 @@ whether it ends the window (the optimizer really steps, gradients are synchronis
 closes after ``gradient_accumulation_steps`` micro-steps, and always on the last batch of an epoch,
 whose gradients would otherwise leak into the next epoch. Every decision depends only on counters
 that are the same on every rank, so every rank synchronises at the same micro-step.
+
+The counter is Accelerate's (its ``Accelerator.step``): micro-steps since a loader's last batch closed a
+window, and a window ends where that count is a multiple of ``gradient_accumulation_steps``. Counting
+from the window's own start would give the same flags while the number never changes; counting as
+Accelerate does keeps them equal when a script changes it mid-run (``accelerator.gradient_accumulation_steps
+= n``, as Accelerate's ``automatic_gradient_accumulation.py`` example does): the window then ends at the next
+multiple of the new number.
 """
 
 from __future__ import annotations
@@ -77,7 +84,8 @@ class JobState:
             ``scaler`` is its fp16 grad scaler, or None.
         models, optimizers, schedulers, loaders: what ``prepare`` returned, in preparation order.
         step: real optimizer steps taken (saved in checkpoints).
-        micro_step: micro-steps done in the current accumulation window.
+        accumulation_count: micro-steps since a loader's last batch closed a window (the design note);
+            ``micro_step`` is the position in the current window it gives.
         sync_gradients: True on micro-steps that end the window.
         clipped: the loop clipped the gradients in the current step.
         adjust_scheduler, sync_with_dataloader, sync_each_batch: Accelerate's accumulation
@@ -98,7 +106,7 @@ class JobState:
     schedulers: list[Stateful] = field(default_factory=list)
     loaders: list[ShardedDataLoader] = field(default_factory=list)
     step: int = 0
-    micro_step: int = 0
+    accumulation_count: int = 0
     sync_gradients: bool = True
     clipped: bool = False
     #: the background writer of async saves (``xshard.checkpoint.async_save``; keeps its host buffers), or None
@@ -169,12 +177,32 @@ class JobState:
             self.backend.collectives.barrier()
 
     # ------------------------------------------------------------------ the step
+    @property
+    def micro_step(self) -> int:
+        """Micro-steps done in the current accumulation window (0 at a window's end; saved in checkpoints)."""
+        return self.accumulation_count % self.gradient_accumulation_steps
+
+    @micro_step.setter
+    def micro_step(self, value: int) -> None:
+        # a restored position (a checkpoint's, the Trainer's reset) counts from a window's start
+        self.accumulation_count = int(value)
+
+    def set_gradient_accumulation_steps(self, steps: int) -> None:
+        """Change the micro-steps per optimizer step from the next micro-step on (the window ends at the next
+        multiple of ``steps``, as in Accelerate); the config records the new number."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be a positive int, got {steps!r}")
+        self.gradient_accumulation_steps = steps
+        self.config.gradient_accumulation_steps = steps
+
     def begin_micro_step(self, end_of_epoch: bool = False) -> bool:
         """Count one micro-step; returns (and records) whether it ends the accumulation window."""
-        self.micro_step += 1
-        self.sync_gradients = self.micro_step >= self.gradient_accumulation_steps or end_of_epoch
-        if self.sync_gradients:
-            self.micro_step = 0
+        if end_of_epoch:  # the loader's last batch closes the window and restarts the count (Accelerate's rule)
+            self.accumulation_count = 0
+            self.sync_gradients = True
+        else:
+            self.accumulation_count += 1
+            self.sync_gradients = self.accumulation_count % self.gradient_accumulation_steps == 0
         return self.sync_gradients
 
     def end_of_epoch(self) -> bool:

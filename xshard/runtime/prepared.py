@@ -11,6 +11,14 @@ its state to the user's optimizer and changes only when things happen:
   with inf/nan gradients);
 - ``step_was_skipped`` is True after an fp16 step skipped for inf/nan gradients.
 
+Everything else reaches the user's optimizer, as Accelerate's ``AcceleratedOptimizer`` does:
+``param_groups`` / ``state`` / ``defaults``, ``state_dict`` / ``load_state_dict``, ``add_param_group``,
+``train()`` / ``eval()`` (schedule-free optimizers; nothing where the optimizer has none) and the hook
+registrations, which register on the user's optimizer: its step hooks run at each real step (inside
+``step`` of the optimizer, so never for a step skipped in a window or for fp16 inf/nan gradients).
+Design note: Accelerate 1.15's wrapper inherits the registrations from torch without torch's
+``__init__`` and raises ``AttributeError`` on them; a script cannot rely on that, so here they work.
+
 ``PreparedScheduler`` steps as Accelerate's ``AcceleratedScheduler`` does, so a schedule tuned for an
 Accelerate script gives the same learning rates here:
 
@@ -27,9 +35,14 @@ Both receive the job's ``JobState`` explicitly; neither knows the Accelerator.
 
 from __future__ import annotations
 
+import inspect
+import os
+import uuid
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from .job import JobOptimizer, JobState
 from .mixed_precision import GradientClip
@@ -49,6 +62,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.model = model
         self.stepped = False
         self.step_was_skipped = False
+        self._token = uuid.uuid4().hex  # names this optimizer's job and model when pickled (``__getstate__``)
+        _LIVE_OPTIMIZERS[self._token] = self
 
     # state forwarding (schedulers and user code read and write these)
     @property
@@ -84,12 +99,60 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the user's optimizer."""
         self.optimizer.add_param_group(param_group)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients, except inside an accumulation window (they are still accumulating)."""
-        if self.job.sync_gradients:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+    def train(self) -> None:
+        """The user's optimizer's ``train()`` (schedule-free optimizers: training weights); nothing without one."""
+        train = getattr(self.optimizer, "train", None)
+        if callable(train):
+            train()
+
+    def eval(self) -> None:
+        """The user's optimizer's ``eval()`` (schedule-free optimizers: averaged weights); nothing without one."""
+        evaluate = getattr(self.optimizer, "eval", None)
+        if callable(evaluate):
+            evaluate()
+
+    # the hooks register on the user's optimizer (the module docstring); each returns torch's handle
+    def register_step_pre_hook(self, hook: Any) -> RemovableHandle:
+        """Run ``hook(optimizer, args, kwargs)`` before each real step of the user's optimizer."""
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Any) -> RemovableHandle:
+        """Run ``hook(optimizer, args, kwargs)`` after each real step of the user's optimizer."""
+        return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> RemovableHandle:
+        """Run ``hook(optimizer)`` before ``state_dict()``."""
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend=prepend)
+
+    def register_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> RemovableHandle:
+        """Run ``hook(optimizer, state_dict)`` after ``state_dict()``."""
+        return self.optimizer.register_state_dict_post_hook(hook, prepend=prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Any, prepend: bool = False) -> RemovableHandle:
+        """Run ``hook(optimizer, state_dict)`` before ``load_state_dict()``."""
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend=prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Any, prepend: bool = False) -> RemovableHandle:
+        """Run ``hook(optimizer)`` after ``load_state_dict()``."""
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend=prepend)
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clear gradients, except inside an accumulation window (they are still accumulating).
+
+        As Accelerate: ``set_to_none`` defaults to True, and is an error for an optimizer whose
+        ``zero_grad`` does not take it."""
+        if not self.job.sync_gradients:
+            return
+        if "set_to_none" in inspect.signature(self.optimizer.zero_grad).parameters:
+            self.optimizer.zero_grad(set_to_none=True if set_to_none is None else set_to_none)
+        elif set_to_none is not None:
+            raise ValueError(f"zero_grad(set_to_none=...): {type(self.optimizer).__name__}.zero_grad() does not "
+                             "take set_to_none; call zero_grad() without it")
+        else:
+            self.optimizer.zero_grad()
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]  # a closure is refused, so no loss is returned
         """Step at the end of an accumulation window; a no-op inside it.
@@ -111,8 +174,26 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.step_was_skipped = not self.stepped
         job.finish_optimizer_step()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with a copy of the user's optimizer, as Accelerate's; the job and model (the process
+        group, the shards) are named by reference: unpickled in this process they are the live ones."""
+        kept = {k: v for k, v in self.__dict__.items() if k not in ("job", "model")}
+        return {**kept, "_pid": os.getpid()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        pid, token = state.pop("_pid"), state["_token"]
+        live = _LIVE_OPTIMIZERS.get(token) if pid == os.getpid() else None
+        if live is None:
+            raise RuntimeError("a prepared optimizer unpickles only in the process of its Accelerator (it steps "
+                               "that job's shards): pickle optimizer.optimizer or optimizer.state_dict() instead")
+        self.__dict__.update(state, job=live.job, model=live.model)
+
     def __repr__(self) -> str:
         return f"PreparedOptimizer({self.optimizer!r})"
+
+
+#: this process's prepared optimizers by pickling token (weak: a dropped optimizer is forgotten)
+_LIVE_OPTIMIZERS: weakref.WeakValueDictionary[str, PreparedOptimizer] = weakref.WeakValueDictionary()
 
 
 class PreparedScheduler:
@@ -148,6 +229,11 @@ class PreparedScheduler:
 
     def get_lr(self) -> list[float]:
         return self.scheduler.get_lr()
+
+    def print_lr(self, *args: Any, **kwargs: Any) -> Any:
+        """The scheduler's ``print_lr`` (torch removed it from its schedulers: then an AttributeError, as in
+        Accelerate)."""
+        return self.scheduler.print_lr(*args, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
         return self.scheduler.state_dict()
