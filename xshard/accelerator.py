@@ -62,6 +62,7 @@ from .checkpoint import auto_resume
 from .config.accelerate_args import AccelerateSettings, read_accelerate_args
 from .config.accelerate_config import load_config, read_config_source, resolved_ds_config
 from .runtime import grads
+from .runtime.compile import compile_prepared
 from .runtime.data import ShardedDataLoader, fork_may_deadlock, shard_data_loader
 from .runtime.dry_run_report import DryRunReport
 from .runtime.job import JobState
@@ -163,8 +164,10 @@ class Accelerator(AccelerateSurface):
         self._peak_flops: PeakFlops | None = None
         # Accelerate's arguments read by later calls (``xshard.config.accelerate_args``)
         self._data_seed: int | None = compat.data_seed
+        self._seedable_sampler: bool = compat.use_seedable_sampler
         self._non_blocking: bool | None = compat.non_blocking
         self._autocast_enabled: bool = compat.autocast_enabled
+        self.profile_handler: Any = compat.profile_handler  # accelerator.profile()'s default ProfileKwargs
         #: Accelerate's ProjectConfiguration (project_dir, logging_dir, automatic checkpoint naming):
         #: xshard's or Accelerate's own class, read by its fields
         self.project_configuration: Any = compat.project
@@ -388,7 +391,7 @@ class Accelerator(AccelerateSurface):
             if opt.model is None and _owns(sharded, opt.optimizer):
                 opt.model = sharded
                 sharded.register_optimizer(opt.optimizer)
-        return sharded
+        return compile_prepared(sharded, self._dynamo_plugin)  # Accelerate's dynamo_plugin (runtime/compile.py)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         """Wrap ``optimizer``: steps through the backend and the grad scaler, only on sync steps.
@@ -419,8 +422,7 @@ class Accelerator(AccelerateSurface):
         (with ``split_batches=True`` it is the global batch, divided over the processes).
         """
         prepared = shard_data_loader(
-            loader, self.device, num_replicas=self.world_size, rank=self.rank,
-            seed=self._data_seed if self._data_seed is not None else self.seed,
+            loader, self.device, num_replicas=self.world_size, rank=self.rank, seed=self._shuffle_seed(),
             wrap=self.backend.wrap_dataloader, shard=shard, split_batches=self.job.split_batches,
             non_blocking=self._non_blocking, pad_to_multiple_of=self.pad_to_multiple_of,
             agree=self._main_process_value, exchange_counts=self._every_process_count,
@@ -435,6 +437,15 @@ class Accelerator(AccelerateSurface):
                 "script's code under `if __name__ == \"__main__\":`", sys.version.split()[0],
                 main_process_only=True)
         return prepared
+
+    def _shuffle_seed(self) -> int | None:
+        """The seed of a plain ``shuffle=True`` as Accelerate seeds it (``xshard.runtime.batch_order``): with
+        ``use_seedable_sampler``, ``data_seed`` or else ``torch.random.initial_seed()`` now (the script's
+        ``set_seed``, before or after building the Accelerator); None for Accelerate's default order, drawn
+        from torch's global RNG."""
+        if not self._seedable_sampler:
+            return None
+        return self._data_seed if self._data_seed is not None else torch.random.initial_seed()
 
     def _main_process_value(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``tensor`` on every rank (same shape and dtype everywhere), where ``tensor`` is."""
@@ -611,6 +622,7 @@ class Accelerator(AccelerateSurface):
         job.adjust_scheduler, job.sync_with_dataloader = compat.adjust_scheduler, compat.sync_with_dataloader
         job.sync_each_batch, job.split_batches = compat.sync_each_batch, compat.split_batches
         job.step_scheduler_with_optimizer = compat.step_scheduler_with_optimizer
+        self._dynamo_plugin = compat.dynamo  # read by prepare_model and state.dynamo_plugin
         use_barrier(self.wait_for_everyone)  # in_order logging takes turns at it
         share_with_accelerate(self)  # accelerate.logging.get_logger works beside this Accelerator
         if compat.ignored and self.is_main_process:
@@ -712,7 +724,7 @@ class Accelerator(AccelerateSurface):
                      keep_torch_compile: bool = True) -> torch.nn.Module:
         """The user's module inside a prepared model (its parameters hold this rank's shards;
         use ``full_state_dict`` for full weights). Accelerate's ``keep_fp32_wrapper`` and
-        ``keep_torch_compile`` are accepted: xshard wraps no forward and compiles nothing."""
+        ``keep_torch_compile`` are accepted: xshard wraps no forward (a compiled model is compiled in place)."""
         return getattr(model, "module", model) if any(model is m for m in self.job.models) else model
 
     def summon_full_params(self, model: torch.nn.Module, writeback: bool = True) -> contextlib.AbstractContextManager:

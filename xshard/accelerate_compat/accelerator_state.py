@@ -335,9 +335,10 @@ class AcceleratorState:
         return False
 
     @property
-    def dynamo_plugin(self) -> None:
-        """None: xshard compiles nothing itself (compile the model with ``torch.compile`` before ``prepare``)."""
-        return None
+    def dynamo_plugin(self) -> Any:
+        """The ``TorchDynamoPlugin`` ``prepare`` compiles each model with (backend ``NO``: none), as Accelerate's
+        state holds it (``xshard.config.dynamo``)."""
+        return self._acc._dynamo_plugin
 
     @property
     def megatron_lm_plugin(self) -> None:

@@ -9,8 +9,9 @@
 - job settings: ``cpu`` (the cpu backend), ``split_batches`` / ``dataloader_config``,
   ``step_scheduler_with_optimizer``, the accumulation plugin's flags, ``log_with``,
   ``project_dir`` / ``project_config``, the timeout of ``InitProcessGroupKwargs``,
-  ``GradScalerKwargs``, ``AutocastKwargs(enabled=...)``;
-- everything with no meaning in xshard (``dynamo_backend``, ``megatron_lm_plugin``,
+  ``GradScalerKwargs``, ``AutocastKwargs(enabled=...)``, ``ProfileKwargs`` (``accelerator.profile()``);
+- ``dynamo_backend`` / ``dynamo_plugin``: how ``prepare`` compiles each model (``xshard.config.dynamo``);
+- everything with no meaning in xshard (``megatron_lm_plugin``,
   ``even_batches=False`` ...) is listed in ``ignored`` and named in ONE warning by the Accelerator.
 
 Accelerate's own objects (``accelerate.utils.ProjectConfiguration`` ...) and xshard's classes of the
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from .dynamo import TorchDynamoPlugin, read_dynamo_args
 from .precision_names import MIXED_PRECISION
 from .values import Reading, parse_bool, parse_choice, parse_float, parse_int, parse_stage
 
@@ -53,6 +55,9 @@ class AccelerateSettings:
     timeout: datetime.timedelta | None = None
     split_batches: bool = False
     data_seed: int | None = None
+    #: Accelerate's ``use_seedable_sampler``: a plain shuffle's order from one seed and the epoch
+    #: (``xshard.runtime.batch_order``); the Trainer's choice, not Accelerate's default
+    use_seedable_sampler: bool = False
     non_blocking: bool | None = None
     step_scheduler_with_optimizer: bool = True
     adjust_scheduler: bool = True
@@ -62,11 +67,15 @@ class AccelerateSettings:
     project: Any = None
     scaler_kwargs: dict[str, Any] = field(default_factory=dict)
     autocast_enabled: bool = True
+    #: a ``ProfileKwargs`` (xshard's or Accelerate's): what ``accelerator.profile()`` records by default
+    profile_handler: Any = None
     #: a ds_config (path, dict) from ``deepspeed_plugin.hf_ds_config``: the config when none is given
     ds_config: Any = None
     #: values for the ds_config's ``"auto"`` entries, in the HF Trainer's argument names
     script_args: dict[str, Any] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)
+    #: ``dynamo_backend`` / ``dynamo_plugin``: how prepared models are compiled (``xshard.config.dynamo``)
+    dynamo: TorchDynamoPlugin | None = None
 
 
 def _name(value: Any) -> Any:
@@ -119,12 +128,7 @@ def read_accelerate_args(kwargs: dict[str, Any]) -> AccelerateSettings:
         _handler(handler, out)
     _fsdp_plugin(args.get("fsdp_plugin"), out)
     _deepspeed_plugin(args.get("deepspeed_plugin"), out)
-    dynamo = args.get("dynamo_backend")
-    if dynamo is not None and str(_name(dynamo)).lower() != "no":
-        ignored.append(f"dynamo_backend={_name(dynamo)!r} (compile the model yourself with torch.compile)")
-    dynamo_plugin = args.get("dynamo_plugin")
-    if dynamo_plugin is not None and str(_name(getattr(dynamo_plugin, "backend", "no"))).lower() != "no":
-        ignored.append("dynamo_plugin (compile the model yourself with torch.compile)")
+    out.dynamo = read_dynamo_args(args.get("dynamo_backend"), args.get("dynamo_plugin"))
     for name in ("torch_tp_plugin", "megatron_lm_plugin", "parallelism_config", "deepspeed_plugins"):
         if args.get(name) is not None:
             ignored.append(f"{name} (xshard shards data-parallel only)")
@@ -140,6 +144,7 @@ def _dataloader_config(config: Any, out: AccelerateSettings) -> None:
                            "gather_for_metrics drops the repeats)")
     if getattr(config, "dispatch_batches", None):
         out.ignored.append("dataloader_config.dispatch_batches=True (every rank reads its own samples)")
+    out.use_seedable_sampler = bool(getattr(config, "use_seedable_sampler", False))
     seed = getattr(config, "data_seed", None)
     if seed is not None:
         out.data_seed = parse_int("dataloader_config.data_seed", seed, 0)
@@ -180,6 +185,8 @@ def _handler(handler: Any, out: AccelerateSettings) -> None:
         for name, default in (("broadcast_buffers", True), ("static_graph", False), ("check_reduction", False)):
             if getattr(handler, name, default) != default:
                 out.ignored.append(f"DistributedDataParallelKwargs.{name}")
+    elif kind == "ProfileKwargs":
+        out.profile_handler = handler
     elif kind == "AutocastKwargs":
         out.autocast_enabled = bool(getattr(handler, "enabled", True))
         if getattr(handler, "cache_enabled", None) is not None:

@@ -49,7 +49,8 @@ if TYPE_CHECKING:  # the checker reads the mixin's members on the arguments it j
 else:
     _ArgumentsHost = object
 
-__all__ = ["Seq2SeqTrainingArguments", "TrainingArguments", "TrainingArgumentsMixin", "XShardDistributedState"]
+__all__ = ["Seq2SeqTrainingArguments", "TrainingArguments", "TrainingArgumentsMixin", "XShardDistributedState",
+           "process_gpu_count"]
 
 
 def _torch_has_accelerator() -> bool:
@@ -58,6 +59,17 @@ def _torch_has_accelerator() -> bool:
         return bool(torch.accelerator.is_available())
     except RuntimeError:  # a PrivateUse1 device whose hooks were never registered: nothing to pin for
         return False
+
+
+def process_gpu_count(device: torch.device) -> int:
+    """``args.n_gpu`` as the stock arguments report it for a process on ``device``: 0 on a CPU (one process,
+    or Accelerate's multi-CPU job, which needs ``--use_cpu``) and on an XLA device; 1 on any other device.
+
+    Design note: the Trainer reads it as the number of devices this process drives with DataParallel (and
+    ``train_batch_size`` = ``per_device_train_batch_size`` x ``max(1, n_gpu)``); a stock single process on a
+    machine with several GPUs reports all of them and wraps the model in DataParallel, which xshard never
+    does: one device per process, so 1 there."""
+    return 0 if device.type in ("cpu", "xla") else 1
 
 
 class XShardDistributedState:
@@ -274,9 +286,7 @@ class TrainingArgumentsMixin(_ArgumentsHost):
         backend.init_process_group(timeout=float(self.ddp_timeout))
         self.distributed_state = XShardDistributedState(backend)
         device = backend.device()
-        # the Trainer's n_gpu: devices this process drives with DataParallel (it only asks whether it is
-        # more than one, which it never is here: one device per process)
-        self._n_gpu = 1
+        self._n_gpu = process_gpu_count(device)
         if not _torch_has_accelerator():
             self.dataloader_pin_memory = False  # nothing to pin for (torch warns at every loader otherwise)
         return device

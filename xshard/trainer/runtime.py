@@ -10,7 +10,9 @@
   ``data_seed`` (else ``seed``) plus the epoch, which is Accelerate's seedable sampler's order, so one process
   reads the batches the stock Trainer reads;
 - precision from the config; where the device cannot compute in it, one warning and fp32 (arguments that
-  are not xshard's never checked the device).
+  are not xshard's never checked the device);
+- ``--torch_compile``: the stock Trainer's ``TorchDynamoPlugin`` (``trainer_dynamo_plugin``), with which
+  ``prepare`` compiles the sharded model.
 
 ``bind_arguments`` makes stock arguments agree with the job: their ``world_size``, ``process_index``,
 ``device`` and ``should_save`` then answer from xshard's backend (stock arguments on a CPU under a launcher
@@ -31,9 +33,10 @@ from typing import Any
 from xshard.accelerate_compat.utils import DataLoaderConfiguration, release_memory
 from xshard.accelerator import Accelerator
 from xshard.config import XShardConfigWarning
+from xshard.config.dynamo import TorchDynamoPlugin
 from xshard.runtime.data import ShardedDataLoader
 
-__all__ = ["TrainerAccelerator", "bind_arguments", "build_accelerator"]
+__all__ = ["TrainerAccelerator", "bind_arguments", "build_accelerator", "trainer_dynamo_plugin"]
 
 
 class TrainerAccelerator(Accelerator):
@@ -66,12 +69,14 @@ def build_accelerator(args: Any) -> TrainerAccelerator:
         split_batches=bool(accelerator_config.get("split_batches", False)),
         dispatch_batches=accelerator_config.get("dispatch_batches"),
         even_batches=bool(accelerator_config.get("even_batches", True)),
+        use_seedable_sampler=bool(accelerator_config.get("use_seedable_sampler", True)),
         data_seed=args.data_seed,
         non_blocking=bool(accelerator_config.get("non_blocking", False)),
     )
     accelerator = TrainerAccelerator(
         config=config, seed=args.seed, timeout=float(args.ddp_timeout), dataloader_config=data,
         mixed_precision="no", gradient_accumulation_steps=1, gradient_clipping=0.0,
+        dynamo_plugin=trainer_dynamo_plugin(args),
     )
     _warn_of_tpu_code_paths(accelerator)
     if wanted != "no":
@@ -81,6 +86,14 @@ def build_accelerator(args: Any) -> TrainerAccelerator:
             warnings.warn(f"{wanted} was asked for, but the {accelerator.backend.name} backend cannot compute in it on "
                           f"{accelerator.device}: training in fp32 instead", XShardConfigWarning, stacklevel=3)
     return accelerator
+
+
+def trainer_dynamo_plugin(args: Any) -> TorchDynamoPlugin:
+    """The ``TorchDynamoPlugin`` the stock Trainer gives its Accelerator: ``--torch_compile_backend`` (which
+    ``--torch_compile`` sets to inductor) and ``--torch_compile_mode``; neither: ``ACCELERATE_DYNAMO_*``."""
+    backend = getattr(args, "torch_compile_backend", None)
+    return TorchDynamoPlugin(backend=backend, mode=getattr(args, "torch_compile_mode", None),
+                             dynamic=False if backend == "neuron" else None)  # neuron: static shapes only
 
 
 def _warn_of_tpu_code_paths(accelerator: Accelerator) -> None:
@@ -100,13 +113,13 @@ def _warn_of_tpu_code_paths(accelerator: Accelerator) -> None:
 
 def bind_arguments(args: Any, accelerator: Accelerator) -> None:
     """Make ``args`` answer where this process sits from ``accelerator``'s backend (stock arguments)."""
-    from .arguments import XShardDistributedState
+    from .arguments import XShardDistributedState, process_gpu_count
 
     if isinstance(getattr(args, "distributed_state", None), XShardDistributedState):
         return  # xshard's arguments: already the backend's answers
     args.distributed_state = XShardDistributedState(accelerator.backend)
     args.__dict__["_setup_devices"] = accelerator.device  # the cached property the Trainer reads as args.device
-    args._n_gpu = 1  # one device per process: the Trainer never wraps the model in DataParallel
+    args._n_gpu = process_gpu_count(accelerator.device)  # as the stock arguments count (never DataParallel)
 
 
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
