@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..runtime.throughput import throughput_values
-from . import metrics, saving, tracking
+from . import metrics, profiling, saving, tracking
 from .accelerator_state import DistributedType
 
 if TYPE_CHECKING:
@@ -35,6 +35,8 @@ class AccelerateSurface(AcceleratorCore):
 
     #: raised by ``set_trigger`` on this process, lowered by ``check_trigger`` (the one state the surface owns)
     _flag: torch.Tensor | None = None
+    #: the ``ProfileKwargs`` given in ``kwargs_handlers`` (xshard's or Accelerate's), or None
+    profile_handler: Any = None
 
     @property
     def _models(self) -> list[ShardedModel]:
@@ -194,6 +196,17 @@ class AccelerateSurface(AcceleratorCore):
         if raised:
             self._flag = None
         return raised
+
+    @contextlib.contextmanager
+    def profile(self, profile_handler: Any = None) -> Iterator[torch.profiler.profile]:
+        """Profile the block with ``torch.profiler`` as Accelerate does (``accelerate_compat.profiling``):
+        ``profile_handler`` (a ``ProfileKwargs``), else the one in ``kwargs_handlers``, else the defaults; with
+        ``output_trace_dir`` each process writes ``profile_<process_index>.json`` there after the block."""
+        from .utils import ProfileKwargs
+
+        handler = profile_handler or self.profile_handler or ProfileKwargs()
+        with profiling.profile(handler, self.backend.device_type, self.rank, self.wait_for_everyone) as profiler:
+            yield profiler
 
     @contextlib.contextmanager
     def local_main_process_first(self) -> Iterator[None]:

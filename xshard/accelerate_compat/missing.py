@@ -13,8 +13,6 @@ _PARALLELISM = "xshard has data parallelism (sharded or not) only: the data-para
 
 #: members of Accelerate's ``Accelerator`` -> xshard's way ("" where there is none)
 ACCELERATOR_MEMBERS: dict[str, str] = {
-    "profile": "use torch.profiler.profile(...) around the steps",
-    "profile_handler": "use torch.profiler.profile(...) around the steps",
     "register_save_state_pre_hook": "register_for_checkpointing(obj) saves any object with state_dict()/"
                                     "load_state_dict() in save_state",
     "register_load_state_pre_hook": "register_for_checkpointing(obj) restores any object with state_dict()/"

@@ -29,6 +29,7 @@ __all__ = [
     "DistributedType", "FullyShardedDataParallelPlugin", "GradScalerKwargs", "GradientAccumulationPlugin",
     "InitProcessGroupKwargs", "LoggerType", "PrecisionType", "ProjectConfiguration", "release_memory",
     "send_to_device", "set_seed", "tqdm",
+    "ProfileKwargs",
 ]
 
 
@@ -228,3 +229,30 @@ class DeepSpeedPlugin:
     zero3_init_flag: bool | None = None
     zero3_save_16bit_model: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ProfileKwargs:
+    """What ``accelerator.profile()`` records (Accelerate's fields and defaults; ``accelerate_compat.profiling``).
+
+    ``activities``: names, ``"cpu"`` always, ``"cuda"`` on the cuda backend (None: torch's default);
+    ``schedule_option``: ``torch.profiler.schedule``'s keywords (``wait``, ``warmup``, ``active``, ``repeat``,
+    ``skip_first``); ``output_trace_dir``: each process writes ``profile_<process_index>.json`` there.
+    """
+
+    activities: list[str] | None = None
+    schedule_option: dict[str, int] | None = None
+    on_trace_ready: Any = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: str | None = None
+
+    def build(self) -> torch.profiler.profile:
+        """The ``torch.profiler.profile`` these fields describe, for the selected backend's device family."""
+        from ..backends import select
+        from .profiling import build_profiler
+
+        return build_profiler(self, select().cls.device_type)
