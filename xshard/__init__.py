@@ -10,6 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from ._version import __version__
+from .runtime.launch_marker import watch_for_failures
+
+watch_for_failures()  # under xshard launch: a failure in xshard's code is named as xshard's (launch_marker)
 
 
 def __getattr__(name: str) -> Any:

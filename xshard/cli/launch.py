@@ -295,7 +295,7 @@ def run_plan(plan: LaunchPlan) -> int:
 def launch(opts: LaunchOptions) -> int:
     """Plan and run: the whole of `xshard launch`."""
     from xshard.backends.launchers.temp_dirs import job_temp_dir, sweep_stale
-    from xshard.runtime.launch_marker import MARKER_ENV, accelerator_was_built
+    from xshard.runtime.launch_marker import MARKER_ENV, accelerator_was_built, failed_in_xshard
     from xshard.runtime.rank_logging import get_logger, setup_logging
 
     setup_logging()
@@ -315,7 +315,8 @@ def launch(opts: LaunchOptions) -> int:
                   "waited in)", file=sys.stderr)
         if not accelerator_was_built(markers) and not plan.failed_before_scripts:
             fix = program_fix(opts.script, opts.module, switch=trainer_switch(opts, os.environ))
-            print(not_on_xshard_message(plan.env, os.environ, failed=code != 0, fix=fix), file=sys.stderr)
+            print(not_on_xshard_message(plan.env, os.environ, failed=code != 0, fix=fix,
+                                        xshard_frame=failed_in_xshard(markers)), file=sys.stderr)
     return code
 
 
@@ -332,14 +333,19 @@ def flight_records_dir(child_env: dict[str, str], env: Mapping[str, str]) -> Pat
 
 
 def not_on_xshard_message(child_env: Mapping[str, str], env: Mapping[str, str], failed: bool = False,
-                          fix: str | None = None) -> str:
+                          fix: str | None = None, xshard_frame: str | None = None) -> str:
     """The one line for a job whose processes never built an xshard Accelerator: what ran instead, the fix,
     and the settings that therefore had no effect. ``failed``: the job failed, and the line says that
     the failure came before xshard had any part in it (a stock script's own crash, or an error before
     the script built its Accelerator). ``fix``: the change that fits the program
-    (``xshard.cli.launch_hint.program_fix``); by default the one for a program it could not read."""
+    (``xshard.cli.launch_hint.program_fix``); by default the one for a program it could not read.
+    ``xshard_frame``: a process failed with xshard's code in its traceback (``launch_marker.failed_in_xshard``):
+    then the line names that frame, never saying that xshard had no part in the failure."""
     from xshard.config.schema import ENV_PREFIX, FIELD_NAMES
 
+    if failed and xshard_frame is not None:
+        return (f"xshard launch: the job failed in xshard's code ({xshard_frame}) before any process built an "
+                "xshard Accelerator; the traceback above says why")
     unused = []
     if CONFIG_ENV in child_env:
         unused.append(f"--config {child_env[CONFIG_ENV]}")
