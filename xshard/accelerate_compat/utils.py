@@ -256,3 +256,14 @@ class ProfileKwargs:
         from .profiling import build_profiler
 
         return build_profiler(self, select().cls.device_type)
+
+
+def __getattr__(name: str) -> Any:
+    """Accelerate's ``accelerate.utils`` names that xshard lacks: an ImportError naming xshard's way
+    (``missing.UTILS_NAMES``); ``xshard.utils`` re-exports this too (it is in ``__all__``)."""
+    from .missing import UTILS_NAMES, missing_name
+
+    raise missing_name("xshard.utils", name, UTILS_NAMES)
+
+
+__all__ += ["__getattr__"]  # so that xshard.utils' star import takes it
