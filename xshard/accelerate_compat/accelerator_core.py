@@ -33,6 +33,7 @@ class AcceleratorCore(Protocol):
     _tracker_choice: list[Any]
     #: Accelerate's ``DataLoaderConfiguration`` values the core was built with
     _data_seed: int | None
+    _seedable_sampler: bool
     _non_blocking: bool | None
 
     @property

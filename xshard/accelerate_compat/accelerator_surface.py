@@ -86,12 +86,12 @@ class AccelerateSurface(AcceleratorCore):
     @property
     def dataloader_config(self) -> Any:
         """How ``prepare`` splits data loaders, as Accelerate's ``DataLoaderConfiguration``: every rank
-        reads its own evened samples (``even_batches``), shuffled from one seed (``use_seedable_sampler``),
+        reads its own evened samples (``even_batches``), shuffled as Accelerate shuffles (``use_seedable_sampler``),
         with a position that ``save_state`` keeps (``use_stateful_dataloader``)."""
         from .utils import DataLoaderConfiguration
 
         return DataLoaderConfiguration(split_batches=self.split_batches, dispatch_batches=False, even_batches=True,
-                                       use_seedable_sampler=True, data_seed=self._data_seed,
+                                       use_seedable_sampler=self.use_seedable_sampler, data_seed=self._data_seed,
                                        non_blocking=bool(self._non_blocking), use_stateful_dataloader=True)
 
     @property
@@ -106,9 +106,10 @@ class AccelerateSurface(AcceleratorCore):
 
     @property
     def use_seedable_sampler(self) -> bool:
-        """Always True: a shuffle comes from one seed and the epoch, the same order on every rank (a loader
-        with its own ``torch.Generator`` draws from it instead, with rank 0's state: ``xshard.runtime.batch_order``)."""
-        return True
+        """``DataLoaderConfiguration.use_seedable_sampler``: a plain shuffle's order comes from one seed and the
+        epoch (True), or from torch's global RNG as Accelerate's default loader draws it (False); either way the
+        same order on every rank (``xshard.runtime.batch_order``)."""
+        return self._seedable_sampler
 
     @property
     def use_stateful_dataloader(self) -> bool:

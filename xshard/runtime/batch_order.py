@@ -4,13 +4,25 @@
 its ``batch_sampler`` (a custom one, or the ``BatchSampler`` that ``batch_size=`` builds over any
 ``sampler``). Where the order is random it is made the same on every rank:
 
-- a plain ``RandomSampler`` (``shuffle=True`` without a generator) draws from a private generator seeded
-  with ``seed + epoch``: Accelerate's ``SeedableRandomSampler`` order, the stock Trainer's order;
+- a plain ``RandomSampler`` (``shuffle=True`` without a generator) draws its order as Accelerate's prepared
+  loader does, in either of Accelerate's modes (``DataLoaderConfiguration.use_seedable_sampler``):
+
+  - seedable (``seed`` given: Accelerate's ``data_seed``, else ``torch.random.initial_seed()`` when the loader
+    is prepared, so a script's ``set_seed`` before ``prepare`` decides it): a private generator seeded with
+    ``seed + epoch``, ``SeedableRandomSampler``'s order and the stock Trainer's;
+  - Accelerate's default (``seed=None``): on several processes one draw from torch's global RNG when the loader
+    is prepared seeds a generator, which every epoch then draws from with rank 0's state (Accelerate's
+    ``synchronized_generator``); on one process each pass draws a new seed from the global RNG, as torch's
+    ``RandomSampler`` does (Accelerate leaves a one-process loader's sampler as it is);
+
 - a sampler or batch sampler with its own ``torch.Generator`` (a seeded ``WeightedRandomSampler``,
   transformers' ``LengthGroupedSampler``, ``shuffle=True, generator=g``) draws from it, the generator first
-  given rank 0's state each epoch (as Accelerate synchronises it); the state an epoch started from is
-  checkpointed, so a resumed run draws the same epoch again;
+  given rank 0's state each epoch (as Accelerate synchronises it);
 - any other sampler is iterated as it is, ``set_epoch(epoch)`` first where it has one.
+
+Wherever an order depends on a generator's state, the state an epoch's draw started from is checkpointed
+(``state_dict``), so a pass that resumes that epoch draws it again and later epochs follow as uninterrupted.
+Every other pass draws afresh, as torch's ``DataLoader`` does at each ``iter()``.
 
 A sampler that already draws one rank's share (a ``DistributedSampler`` the script built, transformers'
 ``BatchRebalanceSampler``: its ``num_replicas`` or ``dp_size`` and its ``rank`` are this job's) is read
@@ -54,11 +66,12 @@ def _generator_of(obj: Any) -> torch.Generator | None:
 class EpochBatches:
     """One process's batches of each epoch of ``loader`` (see the module docstring).
 
-    ``seed``: the seed of a plain ``shuffle=True``. ``agree``: rank 0's value of a tensor (a broadcast),
-    for the generators that draw an order.
+    ``seed``: the seed of a plain ``shuffle=True`` (the seedable order); None for Accelerate's default order.
+    ``agree``: rank 0's value of a tensor (a broadcast), for the generators that draw an order. ``world``: the
+    number of processes (Accelerate's default order differs between one and several).
     """
 
-    def __init__(self, loader: DataLoader, seed: int, agree: Agree) -> None:
+    def __init__(self, loader: DataLoader, seed: int | None, agree: Agree, world: int = 1) -> None:
         batch_sampler = loader.batch_sampler
         if batch_sampler is None:
             raise ValueError("EpochBatches needs a map-style DataLoader (one with a batch sampler)")
@@ -66,14 +79,26 @@ class EpochBatches:
         self.sampler: Any = getattr(batch_sampler, "sampler", None)
         self.batch_size: int | None = getattr(batch_sampler, "batch_size", None)
         self.drop_last = bool(getattr(batch_sampler, "drop_last", False))
-        self.seed = int(seed)
+        self.seed = None if seed is None else int(seed)
         self.agree = agree
-        self.seeded = (type(self.sampler) is RandomSampler and self.sampler.generator is None
-                       and isinstance(batch_sampler, BatchSampler))
-        self.generator = None if self.seeded else (_generator_of(batch_sampler) or _generator_of(self.sampler))
+        #: a plain ``shuffle=True``: the order is drawn here, as Accelerate draws it (module docstring)
+        self.plain = (type(self.sampler) is RandomSampler and self.sampler.generator is None
+                      and isinstance(batch_sampler, BatchSampler))
+        self.seeded = self.plain and self.seed is not None
+        #: one process, Accelerate's default: each pass draws its seed from the global RNG (``_start_state``)
+        self.per_pass = self.plain and self.seed is None and world == 1
+        if self.plain and self.seed is None:
+            # Accelerate's default order: on several processes, one draw from the global RNG when the loader is
+            # prepared (the same draw, at the same point, as Accelerate's, so the script's later random numbers
+            # are Accelerate's too) seeds the generator every epoch draws from; on one process, each pass's own.
+            self.generator: torch.Generator | None = torch.Generator()
+            if not self.per_pass:
+                self.generator.manual_seed(_global_draw())
+        else:
+            self.generator = None if self.seeded else (_generator_of(batch_sampler) or _generator_of(self.sampler))
         self.drawn_epoch: int | None = None  # the epoch whose draw started from ``start_state``
         self.start_state: torch.Tensor | None = None
-        self.restored_state: torch.Tensor | None = None
+        self.restored: tuple[torch.Tensor, int | None] | None = None  # a checkpoint's (state, epoch drawn from it)
         #: (world, rank) the sampler draws one rank's share for, when it does (see the module docstring)
         self.share = _share_of(batch_sampler) or _share_of(self.sampler)
 
@@ -88,35 +113,60 @@ class EpochBatches:
                 set_epoch(epoch)
                 return
 
-    def batches(self, epoch: int) -> Iterator[list[int]]:
-        """Epoch ``epoch``'s batches, drawn lazily (as the loader draws them). Drawing the same epoch again
-        (a pass that continues it) gives the same batches."""
+    def _plain_batches(self, generator: torch.Generator) -> Iterator[list[int]]:
+        """The user's ``shuffle=True`` batches, the order drawn from ``generator``."""
+        shuffled = RandomSampler(self.sampler.data_source, replacement=self.sampler.replacement,
+                                 num_samples=self.sampler._num_samples, generator=generator)
+        return iter(BatchSampler(shuffled, self.batch_size or 1, self.drop_last))
+
+    def batches(self, epoch: int, fresh: bool = True) -> Iterator[list[int]]:
+        """Epoch ``epoch``'s batches, drawn lazily (as the loader draws them). ``fresh``: a new pass, drawn
+        afresh as torch draws each ``iter()``; otherwise a pass that resumes the epoch, which draws the epoch's
+        batches again from the state its draw started from."""
         if self.seeded:
-            g = torch.Generator()
-            g.manual_seed(self.seed + epoch)
-            shuffled = RandomSampler(self.sampler.data_source, replacement=self.sampler.replacement,
-                                     num_samples=self.sampler._num_samples, generator=g)
-            return iter(BatchSampler(shuffled, self.batch_size or 1, self.drop_last))
+            assert self.seed is not None
+            return self._plain_batches(torch.Generator().manual_seed(self.seed + epoch))
         if self.generator is not None:
-            if self.restored_state is not None:
-                self.generator.set_state(self.restored_state)
-                self.restored_state = None
-            elif epoch == self.drawn_epoch and self.start_state is not None:
-                self.generator.set_state(self.start_state)
-            else:
-                self.generator.set_state(self.agree(self.generator.get_state()))
+            self.generator.set_state(self._start_state(epoch, fresh))
             self.start_state, self.drawn_epoch = self.generator.get_state(), epoch
+            if self.plain:
+                return self._plain_batches(self.generator)
         self._set_epoch(epoch)
         return iter(self.batch_sampler)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The generator state the current epoch was drawn from (empty when there is none)."""
-        return {} if self.start_state is None else {"generator_state": self.start_state}
+    def _start_state(self, epoch: int, fresh: bool) -> torch.Tensor:
+        """The generator state epoch ``epoch``'s draw starts from."""
+        assert self.generator is not None
+        if self.restored is not None:
+            (state, drawn), self.restored = self.restored, None
+            if drawn in (None, epoch):  # the checkpoint's epoch: drawn again
+                return state
+            if not self.per_pass:  # saved after its epoch ended: the generator moves past that epoch's draw
+                self.generator.set_state(state)
+                for _ in self.batches(drawn):
+                    pass
+        elif not fresh and epoch == self.drawn_epoch and self.start_state is not None:
+            return self.start_state
+        if self.per_pass:  # torch's RandomSampler: a seed from the global RNG, a new generator
+            return torch.Generator().manual_seed(_global_draw()).get_state()
+        return self.agree(self.generator.get_state())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The generator state the current epoch was drawn from and that epoch (empty when there is none)."""
+        if self.start_state is None:
+            return {}
+        return {"generator_state": self.start_state, "generator_epoch": self.drawn_epoch}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Draw the restored epoch again from the saved generator state."""
+        """Draw the restored epoch again from the saved generator state (and later epochs after it)."""
         if "generator_state" in state and self.generator is not None:
-            self.restored_state = state["generator_state"]
+            drawn = state.get("generator_epoch")
+            self.restored = (state["generator_state"], None if drawn is None else int(drawn))
+
+
+def _global_draw() -> int:
+    """A seed from torch's global RNG, drawn as torch's ``RandomSampler`` and Accelerate draw theirs."""
+    return int(torch.empty((), dtype=torch.int64).random_().item())
 
 
 class RankBatches(Sampler[list[int]]):
@@ -142,13 +192,15 @@ class RankBatches(Sampler[list[int]]):
         self.split_batches = split_batches
         self.epoch = 0
         self.start = 0
+        #: the next pass is a new one (drawn afresh), not one that resumes its epoch (``EpochBatches.batches``)
+        self.fresh = True
         self.length = length  # samples in the dataset
         #: per batch of the epoch: (each rank's real samples in it, this rank's samples in it)
         self.real: dict[int, tuple[list[int], int]] = {}
 
     @property
-    def seed(self) -> int:
-        """The seed of a plain shuffle (its order is ``seed + epoch``)."""
+    def seed(self) -> int | None:
+        """The seed of a plain shuffle (its order is ``seed + epoch``); None for Accelerate's default order."""
         return self.source.seed
 
     def set_epoch(self, epoch: int) -> None:
@@ -169,7 +221,7 @@ class RankBatches(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         self.real = {}
-        batches = self.source.batches(self.epoch)
+        batches = self.source.batches(self.epoch, self.fresh)
         if self.source.share is not None:  # the sampler drew this rank's share: its batches, all real (as
             # the other ranks' sizes are not known here, ``real`` stays empty: gather_for_metrics keeps every row)
             for k, batch in enumerate(batches):

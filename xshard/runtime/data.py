@@ -10,8 +10,11 @@ batch (``xshard.runtime.stream_shard``). ``ShardSampler`` is the per-sample spli
 collate function, workers) and adds what training needs:
 
 - batches moved to the device (tensors inside dicts, lists, tuples, named tuples, HF ``BatchEncoding``);
-- the epoch advances by itself at the end of each pass (``set_epoch`` still works), so each epoch
-  has a new shuffle without user code;
+- a torch ``DataLoader``'s iterator protocol, as Accelerate's prepared loader keeps it: each ``iter()`` starts a
+  new pass (a ``break`` ends the pass, ``next()`` past the last batch raises ``StopIteration``), and the epoch
+  (``iteration`` in Accelerate's name) advances by itself when a pass completes (``set_epoch`` still works), so
+  each epoch has a new shuffle without user code; the one exception is the pass after ``load_state_dict`` or
+  ``skip_first_batches``, which resumes its epoch where the position says;
 - the position (epoch and batches consumed) is remembered: ``state_dict()`` / ``load_state_dict()``
   resume mid-epoch without reading the skipped samples again (a stream restarts from its own
   ``state_dict()`` where it has one, ``stream_position``, else reads and drops them), also on another
@@ -167,8 +170,9 @@ def _rebuild(loader: DataLoader, dataset: Any, batching: dict[str, Any],
 class ShardedDataLoader:
     """A DataLoader that shards over ranks, places batches on the device and remembers its position.
 
-    Build it with ``shard_data_loader`` (``Accelerator.prepare`` does). Iterating it gives this
-    rank's batches of the current epoch, starting after the batches already consumed.
+    Build it with ``shard_data_loader`` (``Accelerator.prepare`` does). Each ``iter()`` is a new pass over this
+    rank's batches of the current epoch; the pass after ``load_state_dict`` / ``skip_first_batches`` starts
+    after the batches that position consumed.
     """
 
     def __init__(
@@ -213,6 +217,9 @@ class ShardedDataLoader:
             stream.dataset if stream is not None else loader.dataset if isinstance(loader.dataset, IterableDataset)
             else None, loader.num_workers)
         self._read = 0  # batches of the epoch read from the loader so far (one ahead of those in use)
+        #: where the next pass starts in its epoch when it resumes one (``load_state_dict``, ``resume_at``)
+        self._resume_at: int | None = None
+        self._passes = 0  # passes started; a pass's iterator updates the loader only while it is the latest
 
     @property
     def dataset(self) -> Any:
@@ -235,6 +242,26 @@ class ShardedDataLoader:
         if int(epoch) != self.epoch:
             self.epoch = int(epoch)
             self.batches_consumed = 0
+            self._resume_at = None
+
+    @property
+    def iteration(self) -> int:
+        """The epoch, in Accelerate's name (``DataLoaderShard.iteration``: passes completed, or ``set_epoch``'s)."""
+        return self.epoch
+
+    @iteration.setter
+    def iteration(self, value: int) -> None:
+        self.set_epoch(value)
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        """True while the pass's last batch is in use (Accelerate's name for ``end_of_epoch``)."""
+        return self.end_of_epoch
+
+    def resume_at(self, num_batches: int) -> None:
+        """The next pass resumes the current epoch after its first ``num_batches`` batches (not before the
+        position ``load_state_dict`` restored, if one is pending), drawing the epoch's order again."""
+        self._resume_at = max(self._resume_at or 0, int(num_batches))
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader is: ``{"epoch", "batches_consumed"}`` (the same on every rank), and the
@@ -273,14 +300,14 @@ class ShardedDataLoader:
         self.epoch = int(state["epoch"])
         self.batches_consumed = self._carried_over(state)
         if self.sampler is not None:
-            self.sampler.source.load_state_dict(state)
+            # (a checkpoint written before the draw's epoch was saved: the draw is the position's epoch's)
+            self.sampler.source.load_state_dict({"generator_epoch": self.epoch, **state})
         if self.sampler is not None and 0 < len(self) <= self.batches_consumed:
             # Saved on the epoch's last batch: the next pass is the next epoch, as it is uninterrupted (and
-            # as a loop that counts its epoch and skip from the step, ``divmod(step, len(loader))``, expects).
-            if self.sampler.source.generator is not None:
-                for _ in self.sampler.source.batches(self.epoch):  # the generator moves past this epoch's draw
-                    pass
+            # as a loop that counts its epoch and skip from the step, ``divmod(step, len(loader))``, expects);
+            # its draw first moves the generator past the saved epoch's (``EpochBatches``).
             self.epoch, self.batches_consumed = self.epoch + 1, 0
+        self._resume_at = self.batches_consumed
 
     def _step_samples(self) -> int | None:
         """Samples of the epoch's order one step reads over all ranks (None: batches of unknown size)."""
@@ -319,7 +346,7 @@ class ShardedDataLoader:
         return self.sampler.real.get(self.batches_consumed - 1)
 
     def skip_first_batches(self, num_batches: int) -> _SkipFirst:
-        """Iterate the current epoch from batch ``num_batches`` (counted from the epoch's start).
+        """One pass over the current epoch from batch ``num_batches`` (counted from the epoch's start).
 
         The position is absolute, so skipping to where ``load_state`` already resumed skips nothing
         more.
@@ -327,9 +354,15 @@ class ShardedDataLoader:
         return _SkipFirst(self, num_batches)
 
     def __iter__(self) -> Iterator[Any]:
+        # A new pass (torch's protocol), unless a position is pending: then this pass resumes its epoch there.
+        start, self._resume_at = self._resume_at or 0, None
+        self.batches_consumed = start
+        self._passes += 1
+        this_pass = self._passes
         if self.sampler is not None:
             self.sampler.set_epoch(self.epoch)
-            self.sampler.start = self.batches_consumed
+            self.sampler.start = start
+            self.sampler.fresh = start == 0
         if self.stream is not None:
             self.stream.set_epoch(self.epoch)
         elif self._exchange_counts is not None:
@@ -352,7 +385,7 @@ class ShardedDataLoader:
             self.stream.start = 0 if restored or skip_here else self.batches_consumed
         self.end_of_epoch = False
         self._first, self._counts = (None if first is _EXHAUSTED else first), []
-        with self.iterator_seed.drawing(starts_epoch=self.batches_consumed == 0):
+        with self.iterator_seed.drawing(starts_epoch=start == 0):
             source = iter(self._wrap(self.loader))
         non_blocking = bool(self.loader.pin_memory) if self._non_blocking is None else self._non_blocking
         global _ITERATIONS
@@ -374,11 +407,13 @@ class ShardedDataLoader:
                 self.end_of_epoch = upcoming is _EXHAUSTED
                 self.batches_consumed += 1
                 yield move_to_device(current, self.device, non_blocking)
-        finally:  # also when the loop breaks out early
-            self.in_iteration = False
-        self.epoch += 1
-        self.batches_consumed = 0
-        self.end_of_epoch = False
+        finally:  # also when the loop breaks out early, or a later pass has replaced this one
+            if self._passes == this_pass:
+                self.in_iteration = False
+        if self._passes == this_pass:  # the pass completed: the next one is the next epoch
+            self.epoch += 1
+            self.batches_consumed = 0
+            self.end_of_epoch = False
 
 
     def _next(self, source: Iterator[Any]) -> Any:
@@ -437,7 +472,7 @@ class _SkipFirst:
         return max(0, len(self.loader) - self.num_batches)
 
     def __iter__(self) -> Iterator[Any]:
-        self.loader.batches_consumed = max(self.loader.batches_consumed, self.num_batches)
+        self.loader.resume_at(self.num_batches)
         return iter(self.loader)
 
     if not TYPE_CHECKING:  # the loader's other members at run time; the type checker sees only the above
@@ -474,7 +509,7 @@ def shard_data_loader(
     device: torch.device,
     num_replicas: int = 1,
     rank: int = 0,
-    seed: int = 0,
+    seed: int | None = 0,
     wrap: Callable[[Any], Any] = lambda x: x,
     shard: bool = True,
     split_batches: bool = False,
@@ -487,7 +522,8 @@ def shard_data_loader(
 
     A map-style loader (any ``sampler``, any ``batch_sampler``) gives rank ``r`` the ``r``-th of every
     ``num_replicas`` batches one process would draw (``xshard.runtime.batch_order``; ``seed`` seeds a plain
-    ``shuffle=True``; ``agree`` gives generators rank 0's state). A stream is split by node or sliced per
+    ``shuffle=True`` as Accelerate's seedable sampler, None draws it as Accelerate's default loader;
+    ``agree`` gives generators rank 0's state). A stream is split by node or sliced per
     global batch (``xshard.runtime.stream_shard``; ``exchange_counts``: every rank's (real samples, samples) in
     its next batch, an all-gather, for streams whose ranks may end apart). ``loader.batch_size`` is per rank; with ``split_batches`` it is the
     global batch, each rank taking its slice. ``wrap`` is the backend's ``wrap_dataloader`` (XLA's
@@ -516,7 +552,7 @@ def shard_data_loader(
             f"prepare() cannot shard {_name(loader)}: its {type(sampler).__name__} has no length, so the batches "
             "that even out the epoch's end cannot be known; give it __len__, or shard the loader yourself and pass "
             "accelerator.prepare_data_loader(loader, shard=False)") from None
-    batches = RankBatches(EpochBatches(loader, seed, agree), num_replicas, rank, split_batches,
+    batches = RankBatches(EpochBatches(loader, seed, agree, num_replicas), num_replicas, rank, split_batches,
                           length=len(cast(Sized, loader.dataset)) if isinstance(loader.dataset, Sized) else 0)
     rebuilt = _rebuild(loader, loader.dataset, {"batch_sampler": batches}, pad_to_multiple_of)
     return ShardedDataLoader(rebuilt, device, batches, wrap, non_blocking, batch_size=per_rank,
