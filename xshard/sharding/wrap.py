@@ -84,9 +84,16 @@ def _size_units(model: nn.Module, min_num_params: int) -> set[nn.Module]:
     return chosen
 
 
+def _declared_blocks(model: nn.Module) -> list[str]:
+    """The block classes of the model's ``_no_split_modules`` that it has: a composite model (LLaVA) lists its
+    towers' blocks, some of which it never builds (CLIP's text embeddings beside a vision tower)."""
+    present = {type(m).__name__ for m in model.modules()}
+    return sorted(n for n in getattr(model, "_no_split_modules", None) or [] if n in present)
+
+
 def split_into_units(model: nn.Module, options: ShardingOptions) -> list[UnitSpec]:
     """The model's units by ``options.auto_wrap_policy``; the root unit first, then forward-definition order."""
-    names = options.transformer_layer_cls_to_wrap or list(getattr(model, "_no_split_modules", None) or [])
+    names = options.transformer_layer_cls_to_wrap or _declared_blocks(model)
     if options.auto_wrap_policy == "transformer" and not names:
         # the default policy on a model that names no block class (any plain PyTorch or torchvision
         # model): size-based units, as a user of FSDP's size_based_auto_wrap_policy would choose
