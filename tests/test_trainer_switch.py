@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.jobs import run_job
+from support.jobs import run_anchor, run_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -37,7 +37,9 @@ DS_STAGE3 = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_st
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1", **extra)
+    # no hub telemetry thread (TRL's trainers ping the hub from rank 0): every path here is local
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1",
+               HF_HUB_DISABLE_TELEMETRY="1", **extra)
     return env
 
 
@@ -51,6 +53,12 @@ def _run(command: list[str], cwd: Path, **env: str):
 def _logged_losses(checkpoint: Path) -> dict[int, float]:
     history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
     return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
+
+
+def _saved_model_and_checkpoints(out: Path) -> bool:
+    """sft.py's run wrote all it writes: its checkpoints, then save_model's folder (training_args.bin last)."""
+    return all((out / name).is_file() for name in ("checkpoint-4/trainer_state.json", "model.safetensors",
+                                                   "training_args.bin"))
 
 
 def _text_records(folder: Path, count: int = 32) -> Path:
@@ -83,9 +91,12 @@ def test_trls_shipped_sft_script_unedited_under_the_switch_gives_trls_losses(tin
     assert sorted(p.name for p in (tmp_path / "xshard").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
     assert (tmp_path / "xshard" / "model.safetensors").is_file()  # its trainer.save_model() at the end
 
-    _run([*TORCHRUN_2, str(sft), *args, "--output_dir", str(tmp_path / "anchor")], tmp_path, ACCELERATE_USE_CPU="true")
+    anchor_out = tmp_path / "anchor"
+    done = run_anchor([*TORCHRUN_2, str(sft), *args, "--output_dir", str(anchor_out)], timeout=TIMEOUT, cwd=tmp_path,
+                      env=_env(ACCELERATE_USE_CPU="true"), written=lambda: _saved_model_and_checkpoints(anchor_out))
+    assert done.ok, done.stdout[-3000:] + done.stderr[-5000:]
     losses = _logged_losses(tmp_path / "xshard" / "checkpoint-4")
-    anchor = _logged_losses(tmp_path / "anchor" / "checkpoint-4")
+    anchor = _logged_losses(anchor_out / "checkpoint-4")
     assert list(losses) == [1, 2, 3, 4]
     assert losses == pytest.approx(anchor, rel=1e-6, abs=1e-6)
 
