@@ -302,3 +302,15 @@ def test_gradient_accumulation_steps_refuses_what_is_not_a_positive_int():
         assert acc.gradient_accumulation_steps == 1
     finally:
         acc.end()
+
+
+def test_torchs_class_members_of_the_prepared_optimizer_are_accelerates():
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from xshard.runtime.prepared import PreparedOptimizer
+
+    for name in ("OptimizerPreHook", "OptimizerPostHook", "profile_hook_step"):
+        assert getattr(PreparedOptimizer, name) is getattr(AcceleratedOptimizer, name), name
+    assert issubclass(PreparedOptimizer, torch.optim.Optimizer)  # isinstance checks keep working, as on Accelerate's
+    public = {n for n in dir(AcceleratedOptimizer) if not n.startswith("_")}
+    assert public <= {n for n in dir(PreparedOptimizer) if not n.startswith("_")}
