@@ -25,7 +25,8 @@ from ..runtime.rank_logging import progress as tqdm
 from .accelerator_state import DistributedType
 
 __all__ = [
-    "AutocastKwargs", "DataLoaderConfiguration", "DeepSpeedPlugin", "DistributedDataParallelKwargs",
+    "AutocastKwargs", "DDPCommunicationHookType", "DataLoaderConfiguration", "DeepSpeedPlugin",
+    "DistributedDataParallelKwargs",
     "DistributedType", "FullyShardedDataParallelPlugin", "GradScalerKwargs", "GradientAccumulationPlugin",
     "InitProcessGroupKwargs", "LoggerType", "PrecisionType", "ProjectConfiguration", "release_memory",
     "send_to_device", "set_seed", "tqdm",
@@ -155,9 +156,25 @@ class GradScalerKwargs:
     enabled: bool = True
 
 
+class DDPCommunicationHookType(str, Enum):
+    """DDP's gradient communication hooks, for ``DistributedDataParallelKwargs(comm_hook=...)``.
+
+    At stage 0, FP16 / BF16 compress each gradient bucket to that dtype for the all-reduce, with
+    torch's arithmetic (cast, divide by the world size, sum, cast back); POWER_SGD and
+    BATCHED_POWER_SGD are named in a warning (xshard all-reduces uncompressed).
+    """
+
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+
 @dataclass
 class DistributedDataParallelKwargs:
-    """DDP settings: ``bucket_cap_mb`` sets stage 0's bucket size; the rest have no xshard meaning."""
+    """DDP settings: ``bucket_cap_mb`` sets stage 0's bucket size, ``comm_hook`` FP16 / BF16 its
+    all-reduce dtype; what xshard does with each field is in docs/accelerate-scripts.md."""
 
     dim: int = 0
     broadcast_buffers: bool = True
@@ -166,6 +183,9 @@ class DistributedDataParallelKwargs:
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
+    comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_state_option: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -187,7 +207,11 @@ class FullyShardedDataParallelPlugin:
     ``auto_wrap_policy`` "transformer_based_wrap" / "size_based_wrap" / "no_wrap" (a policy
     function is not used: units follow ``transformer_cls_names_to_wrap`` or the model's
     ``_no_split_modules``); ``backward_prefetch``, ``forward_prefetch``, ``state_dict_type``,
-    ``activation_checkpointing``, ``sync_module_states``, ``min_num_params``.
+    ``activation_checkpointing``, ``sync_module_states``, ``min_num_params``,
+    ``cpu_ram_efficient_loading`` (rank 0's weights are broadcast, as ``sync_module_states``).
+    ``state_dict_config``, ``optim_state_dict_config``, ``ignored_modules``, ``param_init_fn``,
+    ``activation_checkpointing_offload`` and ``limit_all_gathers=False`` are accepted and named in
+    one warning when set.
     """
 
     fsdp_version: int | None = None
@@ -197,15 +221,20 @@ class FullyShardedDataParallelPlugin:
     mixed_precision_policy: Any = None
     auto_wrap_policy: Any = None
     cpu_offload: Any = None
+    ignored_modules: Any = None
     state_dict_type: Any = None
+    state_dict_config: Any = None
+    optim_state_dict_config: Any = None
+    limit_all_gathers: bool = True
     use_orig_params: bool | None = None
+    param_init_fn: Any = None
     sync_module_states: bool | None = None
     forward_prefetch: bool | None = None
     activation_checkpointing: bool | None = None
+    activation_checkpointing_offload: bool | None = None
     cpu_ram_efficient_loading: bool | None = None
     transformer_cls_names_to_wrap: list[str] | str | None = None
     min_num_params: int | None = None
-    limit_all_gathers: bool | None = None
 
 
 @dataclass
@@ -216,7 +245,9 @@ class DeepSpeedPlugin:
     ``"auto"`` values filled from the Accelerator's arguments and the prepared data loader);
     ``zero_stage``, ``gradient_accumulation_steps``, ``gradient_clipping``,
     ``offload_optimizer_device`` / ``offload_param_device`` ("cpu" or "none"),
-    ``zero3_save_16bit_model`` (True: full checkpoints, False: sharded).
+    ``zero3_save_16bit_model`` (True: full checkpoints, False: sharded). The NVMe paths,
+    ``zero3_init_flag``, ``transformer_moe_cls_names``, MS-AMP and ``is_train_batch_min=False`` are
+    accepted and named in one warning when set.
     """
 
     hf_ds_config: Any = None
@@ -226,9 +257,24 @@ class DeepSpeedPlugin:
     is_train_batch_min: bool = True
     offload_optimizer_device: str | None = None
     offload_param_device: str | None = None
+    offload_optimizer_nvme_path: str | None = None
+    offload_param_nvme_path: str | None = None
     zero3_init_flag: bool | None = None
     zero3_save_16bit_model: bool | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    transformer_moe_cls_names: str | None = None
+    enable_msamp: bool | None = None
+    msamp_opt_level: str | None = None
+
+
+def __getattr__(name: str) -> Any:
+    """Accelerate's ``accelerate.utils`` names that xshard lacks: an ImportError naming xshard's way
+    (``missing.UTILS_NAMES``); ``xshard.utils`` re-exports this too (it is in ``__all__``)."""
+    from .missing import UTILS_NAMES, missing_name
+
+    raise missing_name("xshard.utils", name, UTILS_NAMES)
+
+
+__all__ += ["__getattr__"]  # so that xshard.utils' star import takes it
 
 
 @dataclass
@@ -256,14 +302,3 @@ class ProfileKwargs:
         from .profiling import build_profiler
 
         return build_profiler(self, select().cls.device_type)
-
-
-def __getattr__(name: str) -> Any:
-    """Accelerate's ``accelerate.utils`` names that xshard lacks: an ImportError naming xshard's way
-    (``missing.UTILS_NAMES``); ``xshard.utils`` re-exports this too (it is in ``__all__``)."""
-    from .missing import UTILS_NAMES, missing_name
-
-    raise missing_name("xshard.utils", name, UTILS_NAMES)
-
-
-__all__ += ["__getattr__"]  # so that xshard.utils' star import takes it

@@ -13,6 +13,10 @@
 - ``dynamo_backend`` / ``dynamo_plugin``: how ``prepare`` compiles each model (``xshard.config.dynamo``);
 - everything with no meaning in xshard (``megatron_lm_plugin``,
   ``even_batches=False`` ...) is listed in ``ignored`` and named in ONE warning by the Accelerator.
+  A plugin's field is named only when set away from its default (``accelerate_fields`` lists the fields
+  xshard does not act on, and why);
+- ``DistributedDataParallelKwargs(comm_hook=FP16 / BF16)``: stage 0's all-reduce dtype, settled with the
+  config's stage by ``settle_with_config`` once the config is read (named in the warning at stages 1-3).
 
 Accelerate's own objects (``accelerate.utils.ProjectConfiguration`` ...) and xshard's classes of the
 same names (``xshard.utils``) are both accepted: their fields are read by name.
@@ -24,16 +28,31 @@ record (``xshard.config.read_source``), which ``accelerator.state`` asks.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
+import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .accelerate_fields import POLICY_FUNCTION, ignored_class_note, ignored_field_notes, shown
 from .dynamo import TorchDynamoPlugin, read_dynamo_args
-from .precision_names import MIXED_PRECISION
-from .values import Reading, parse_bool, parse_choice, parse_float, parse_int, parse_stage
+from .precision_names import MIXED_PRECISION, parse_dtype
+from .values import (
+    Reading,
+    XShardConfigWarning,
+    parse_bool,
+    parse_choice,
+    parse_float,
+    parse_int,
+    parse_stage,
+)
+
+if TYPE_CHECKING:
+    from .schema import XShardConfig
 
 #: Accelerate's constructor arguments (taken out of ``**kwargs``; the rest are xshard config fields)
 ACCELERATE_ARGS = (
@@ -73,6 +92,9 @@ class AccelerateSettings:
     ds_config: Any = None
     #: values for the ds_config's ``"auto"`` entries, in the HF Trainer's argument names
     script_args: dict[str, Any] = field(default_factory=dict)
+    #: ``DistributedDataParallelKwargs.comm_hook`` "fp16" / "bf16": stage 0's all-reduce dtype
+    #: (``settle_with_config``)
+    comm_hook: str | None = None
     ignored: list[str] = field(default_factory=list)
     #: ``dynamo_backend`` / ``dynamo_plugin``: how prepared models are compiled (``xshard.config.dynamo``)
     dynamo: TorchDynamoPlugin | None = None
@@ -124,26 +146,61 @@ def read_accelerate_args(kwargs: dict[str, Any]) -> AccelerateSettings:
     if log_with is not None:
         out.log_with = list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
     out.project = _project(args.get("project_config"), args.get("project_dir"), ignored)
+    seen: set[str] = set()
     for handler in args.get("kwargs_handlers") or ():
+        if _kind(handler) in seen:
+            raise ValueError(f"kwargs_handlers holds two {_kind(handler)} objects: pass one (Accelerate refuses "
+                             "two as well)")
+        seen.add(_kind(handler))
         _handler(handler, out)
     _fsdp_plugin(args.get("fsdp_plugin"), out)
     _deepspeed_plugin(args.get("deepspeed_plugin"), out)
     out.dynamo = read_dynamo_args(args.get("dynamo_backend"), args.get("dynamo_plugin"))
     for name in ("torch_tp_plugin", "megatron_lm_plugin", "parallelism_config", "deepspeed_plugins"):
-        if args.get(name) is not None:
-            ignored.append(f"{name} (xshard shards data-parallel only)")
+        plugin = args.get(name)
+        if plugin is not None:
+            note = ignored_class_note(plugin)
+            ignored.append(f"{name}={note}" if note else f"{name} (xshard shards data-parallel only)")
     return out
+
+
+#: what a user of ``accelerate.local_sgd.LocalSGD`` needs at stages 1-3 (Accelerate refuses it under FSDP)
+LOCAL_SGD_NEEDS_STAGE_0 = (
+    "accelerate.local_sgd.LocalSGD runs only on plain data parallel: Accelerate refuses it under FSDP and "
+    "DeepSpeed, and this job runs at ZeRO stage {stage} (distributed_type {kind}). Run the script at stage 0: "
+    "stage: 0 in the config, XSHARD_STAGE=0, or FullyShardedDataParallelPlugin(sharding_strategy='NO_SHARD')"
+)
+
+
+def settle_with_config(settings: AccelerateSettings, config: XShardConfig) -> XShardConfig:
+    """What depends on the config's stage: a DDP ``comm_hook``, and a script that imported Accelerate's LocalSGD.
+
+    At stage 0 ``comm_hook`` FP16 / BF16 becomes the all-reduce dtype (``reduce_dtype``); at stages 1-3 it
+    is named in the one warning. A script that imported ``accelerate.local_sgd`` is told, at stages 1-3, to
+    run at stage 0 (LocalSGD's own error names CPUs and GPUs only). Returns the config (a new one when
+    ``reduce_dtype`` was set)."""
+    hook = settings.comm_hook
+    if hook is not None:
+        note = f"DistributedDataParallelKwargs(comm_hook={hook!r})"
+        if config.stage != 0:
+            settings.ignored.append(f"{note}: stages 1-3 reduce-scatter in the gradients' dtype (set reduce_dtype "
+                                    f"to choose another); this job runs at stage {config.stage}")
+        elif config.reduce_dtype is None:
+            config = dataclasses.replace(config, reduce_dtype=hook)
+        elif config.reduce_dtype != hook:
+            settings.ignored.append(f"{note}: the config's reduce_dtype={config.reduce_dtype!r} is used")
+    if config.stage != 0 and "accelerate.local_sgd" in sys.modules and os.environ.get("RANK", "0") == "0":
+        kind = "DEEPSPEED" if settings.ds_config is not None else "FSDP"
+        warnings.warn(LOCAL_SGD_NEEDS_STAGE_0.format(stage=config.stage, kind=kind), XShardConfigWarning,
+                      stacklevel=4)
+    return config
 
 
 def _dataloader_config(config: Any, out: AccelerateSettings) -> None:
     if config is None:
         return
     out.split_batches = out.split_batches or bool(getattr(config, "split_batches", False))
-    if getattr(config, "even_batches", True) is False:
-        out.ignored.append("dataloader_config.even_batches=False (xshard evens the last batch by repeating samples; "
-                           "gather_for_metrics drops the repeats)")
-    if getattr(config, "dispatch_batches", None):
-        out.ignored.append("dataloader_config.dispatch_batches=True (every rank reads its own samples)")
+    out.ignored.extend(ignored_field_notes(config, "DataLoaderConfiguration"))
     out.use_seedable_sampler = bool(getattr(config, "use_seedable_sampler", False))
     seed = getattr(config, "data_seed", None)
     if seed is not None:
@@ -158,19 +215,32 @@ def _project(config: Any, project_dir: Any, ignored: list[str]) -> Any:
     project = config if config is not None else ProjectConfiguration(project_dir=None)
     if project_dir is not None and getattr(project, "project_dir", None) is None:
         project.set_directories(os.fspath(project_dir))
-    if getattr(project, "save_on_each_node", False):
-        ignored.append("project_config.save_on_each_node=True (xshard writes once per job: use a shared filesystem)")
+    ignored.extend(ignored_field_notes(project, "ProjectConfiguration"))
     return project
+
+
+#: DistributedDataParallelKwargs.comm_hook's values (DDPCommunicationHookType, any case)
+_COMM_HOOKS = {name: name for name in ("no", "fp16", "bf16", "power_sgd", "batched_power_sgd")}
+
+
+def _comm_hook(handler: Any, out: AccelerateSettings) -> None:
+    """DDP's comm_hook: FP16 / BF16 are stage 0's all-reduce dtype; PowerSGD is named in the warning."""
+    value = getattr(handler, "comm_hook", "no")
+    hook = parse_choice("DistributedDataParallelKwargs.comm_hook", str(_name(value)).lower(), _COMM_HOOKS)
+    if hook in ("fp16", "bf16"):
+        out.comm_hook = hook
+    elif hook != "no":
+        out.ignored.append(f"DistributedDataParallelKwargs(comm_hook={shown(value)}): PowerSGD is not run, "
+                           "xshard all-reduces uncompressed")
 
 
 def _handler(handler: Any, out: AccelerateSettings) -> None:
     kind = _kind(handler)
+    out.ignored.extend(ignored_field_notes(handler))  # the fields xshard does not act on (accelerate_fields)
     if kind == "InitProcessGroupKwargs":
         timeout = getattr(handler, "timeout", None)
         if timeout is not None:
             out.timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=timeout)
-        if getattr(handler, "init_method", None) is not None:
-            out.ignored.append("InitProcessGroupKwargs.init_method (xshard uses torchrun's variables)")
     elif kind == "GradScalerKwargs":
         for name, default in (("init_scale", 65536.0), ("growth_factor", 2.0), ("backoff_factor", 0.5),
                               ("growth_interval", 2000), ("enabled", True)):
@@ -181,25 +251,67 @@ def _handler(handler: Any, out: AccelerateSettings) -> None:
         bucket = getattr(handler, "bucket_cap_mb", 25)
         if bucket != 25:
             out.overrides["bucket_size_mb"] = parse_float("DistributedDataParallelKwargs.bucket_cap_mb", bucket, 0.0)
-        # find_unused_parameters: xshard needs no flag for parameters without gradients
-        for name, default in (("broadcast_buffers", True), ("static_graph", False), ("check_reduction", False)):
-            if getattr(handler, name, default) != default:
-                out.ignored.append(f"DistributedDataParallelKwargs.{name}")
+        # find_unused_parameters, static_graph, gradient_as_bucket_view, check_reduction: what xshard's stage 0
+        # does anyway (any graph, gradients as views of the buckets; torch ignores check_reduction)
+        _comm_hook(handler, out)
     elif kind == "ProfileKwargs":
         out.profile_handler = handler
     elif kind == "AutocastKwargs":
         out.autocast_enabled = bool(getattr(handler, "enabled", True))
-        if getattr(handler, "cache_enabled", None) is not None:
-            out.ignored.append("AutocastKwargs.cache_enabled")
     else:
-        out.ignored.append(f"kwargs_handlers {kind} (no xshard equivalent)")
+        out.ignored.append(ignored_class_note(handler) or f"kwargs_handlers {kind} (no xshard equivalent)")
 
 
-# FullyShardedDataParallelPlugin field -> the key xshard's FSDP option reader takes
-_FSDP_FIELDS = ("sharding_strategy", "reshard_after_forward", "backward_prefetch", "auto_wrap_policy",
-                "state_dict_type", "sync_module_states", "forward_prefetch", "activation_checkpointing",
-                "transformer_cls_names_to_wrap", "min_num_params", "use_orig_params", "limit_all_gathers",
-                "cpu_ram_efficient_loading")
+# FullyShardedDataParallelPlugin fields that xshard's FSDP option reader takes by the same names. fsdp_version
+# and use_orig_params need nothing (xshard's one core keeps the user's parameters); the fields it does not act
+# on are accelerate_fields'.
+_FSDP_FIELDS = ("sharding_strategy", "reshard_after_forward", "backward_prefetch", "state_dict_type",
+                "sync_module_states", "forward_prefetch", "activation_checkpointing", "transformer_cls_names_to_wrap",
+                "min_num_params", "cpu_ram_efficient_loading")
+_FSDP = "FullyShardedDataParallelPlugin"
+#: torch's wrap-policy functions (what Accelerate's plugin turns its policy names into) -> the names
+_POLICY_FUNCTIONS = {"transformer_auto_wrap_policy": "transformer_based_wrap",
+                     "size_based_auto_wrap_policy": "size_based_wrap"}
+
+
+def _wrap_policy(plugin: Any, options: dict[str, Any], out: AccelerateSettings) -> None:
+    """``auto_wrap_policy``: a name, torch's transformer / size policy (or a partial of one); another
+    function is named in the warning (units follow transformer_cls_names_to_wrap / _no_split_modules)."""
+    policy = getattr(plugin, "auto_wrap_policy", None)
+    if policy is None:
+        return
+    if not callable(policy):
+        options["auto_wrap_policy"] = policy
+        return
+    function, keywords = getattr(policy, "func", policy), getattr(policy, "keywords", None) or {}
+    name = _POLICY_FUNCTIONS.get(getattr(function, "__name__", ""))
+    if name is None:
+        out.ignored.append(f"{_FSDP}(auto_wrap_policy={shown(policy)}): {POLICY_FUNCTION}")
+        return
+    options["auto_wrap_policy"] = name
+    layers = keywords.get("transformer_layer_cls")
+    if layers and "transformer_cls_names_to_wrap" not in options:
+        options["transformer_cls_names_to_wrap"] = [getattr(c, "__name__", str(c)) for c in layers]
+    if keywords.get("min_num_params") and "min_num_params" not in options:
+        options["min_num_params"] = keywords["min_num_params"]
+
+
+def _mixed_precision_policy(policy: Any, out: AccelerateSettings) -> None:
+    """FSDP's MixedPrecision (an object, a dict or a name): param_dtype -> mixed_precision, reduce_dtype ->
+    reduce_dtype; a buffer_dtype other than param_dtype is named in the warning (buffers follow param_dtype)."""
+    if policy is None:
+        return
+    if isinstance(policy, str):
+        policy = {"param_dtype": policy}
+    values = policy if isinstance(policy, Mapping) else vars(policy)
+    param, reduce, buffer = (values.get(name) for name in ("param_dtype", "reduce_dtype", "buffer_dtype"))
+    if str(param).lower() in MIXED_PRECISION:
+        out.overrides.setdefault("mixed_precision", MIXED_PRECISION[str(param).lower()])
+    if reduce is not None:
+        where = f"{_FSDP}.mixed_precision_policy.reduce_dtype"
+        out.overrides.setdefault("reduce_dtype", parse_dtype(where, str(reduce)))
+    if buffer is not None and str(buffer) != str(param):
+        out.ignored.append(f"{_FSDP}(mixed_precision_policy=...): buffer_dtype={buffer} (buffers follow param_dtype)")
 
 
 def _fsdp_plugin(plugin: Any, out: AccelerateSettings) -> None:
@@ -211,9 +323,10 @@ def _fsdp_plugin(plugin: Any, out: AccelerateSettings) -> None:
     options: dict[str, Any] = {}
     for name in _FSDP_FIELDS:
         value = _name(getattr(plugin, name, None))
-        if value is None or (name == "auto_wrap_policy" and callable(value)):
-            continue  # a policy function: units follow transformer_cls_names_to_wrap / _no_split_modules
-        options[name] = value
+        if value is not None:
+            options[name] = value
+    _wrap_policy(plugin, options, out)
+    out.ignored.extend(ignored_field_notes(plugin, _FSDP))
     offload = getattr(plugin, "cpu_offload", None)
     if offload is not None:
         options["offload_params"] = bool(getattr(offload, "offload_params", offload))
@@ -221,11 +334,7 @@ def _fsdp_plugin(plugin: Any, out: AccelerateSettings) -> None:
     read_fsdp_options(reading, options, "fsdp_plugin", numeric=True)
     out.overrides.update(reading.values)
     out.ignored.extend(reading.ignored)
-    policy = getattr(plugin, "mixed_precision_policy", None)
-    if policy is not None:
-        dtype = policy.get("param_dtype") if isinstance(policy, Mapping) else getattr(policy, "param_dtype", None)
-        if str(dtype).lower() in MIXED_PRECISION:
-            out.overrides.setdefault("mixed_precision", MIXED_PRECISION[str(dtype).lower()])
+    _mixed_precision_policy(getattr(plugin, "mixed_precision_policy", None), out)
     if "stage" not in out.overrides:
         out.overrides["stage"] = 3  # FSDP's default strategy: FULL_SHARD
 
@@ -234,6 +343,7 @@ def _deepspeed_plugin(plugin: Any, out: AccelerateSettings) -> None:
     """A DeepSpeedPlugin: its ds_config is the config; its own fields fill "auto" or override."""
     if plugin is None:
         return
+    out.ignored.extend(ignored_field_notes(plugin, "DeepSpeedPlugin"))
     ds = getattr(plugin, "hf_ds_config", None)
     ds = getattr(ds, "config", ds)  # Accelerate wraps the dict in an HfDeepSpeedConfig
     if ds is not None and ds != "none":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .accelerate_args import AccelerateSettings
+from .accelerate_args import AccelerateSettings, settle_with_config
 from .auto import LATER, ScriptValues, resolve_auto
 from .precision_names import MIXED_PRECISION
 from .schema import XShardConfig, read_source
@@ -36,9 +36,10 @@ def read_config_source(config: Any, settings: AccelerateSettings) -> ConfigSourc
 def load_config(source: ConfigSource, overrides: dict[str, Any], settings: AccelerateSettings) -> XShardConfig:
     """The ``XShardConfig`` of ``source`` with the Accelerator's ``overrides``; a ds_config's "auto" values filled."""
     if source.kind is ConfigKind.OBJECT and not overrides:
-        return source.config  # an XShardConfig the script built itself
+        return settle_with_config(settings, source.config)  # an XShardConfig the script built itself
     script_args = auto_values(settings) if source.configured_by_deepspeed else None
-    return XShardConfig.load(source, overrides=overrides or None, env=os.environ, script_args=script_args)
+    config = XShardConfig.load(source, overrides=overrides or None, env=os.environ, script_args=script_args)
+    return settle_with_config(settings, config)  # what depends on the stage (a DDP comm_hook)
 
 
 def auto_values(settings: AccelerateSettings) -> ScriptValues:

@@ -13,7 +13,8 @@ Both spell the same FSDP options, with or without the ``fsdp_`` prefix, FSDP1 or
   none; ``transformer_layer_cls_to_wrap`` (list or comma-separated), ``min_num_params``,
   ``backward_prefetch`` BACKWARD_PRE / BACKWARD_POST / NO_PREFETCH, ``forward_prefetch``,
   ``state_dict_type`` FULL / LOCAL / SHARDED_STATE_DICT, ``sync_module_states``,
-  ``activation_checkpointing`` (and the HF Trainer's ``xla_fsdp_grad_ckpt``).
+  ``activation_checkpointing`` (and the HF Trainer's ``xla_fsdp_grad_ckpt``), ``cpu_ram_efficient_loading``
+  (true turns ``sync_module_states`` on, as Accelerate does: rank 0's weights are broadcast).
 - HF Trainer only: ``xla: true`` -> backend xla; ``xla_fsdp_settings.compute_dtype`` ->
   mixed_precision, ``.reshard_after_forward`` -> stage, ``.fp32_reduce_scatter`` -> reduce_dtype fp32.
 
@@ -58,7 +59,7 @@ _SYNONYMS = {"backward_prefetch_policy": "backward_prefetch", "cpu_offload": "of
              "transformer_cls_names_to_wrap": "transformer_layer_cls_to_wrap",
              "xla_fsdp_grad_ckpt": "activation_checkpointing"}
 _HARMLESS = {"use_orig_params": (True,), "limit_all_gathers": (True,), "version": (1, 2),
-             "cpu_ram_efficient_loading": (False,), "xla": (False,), "xla_fsdp_v2": (False,),
+             "xla": (False,), "xla_fsdp_v2": (False,),
              "ignored_modules": (None,)}
 _HARMLESS_XLA = {"flatten_parameters": (True, False), "shard_param_on_dim_0": (True,)}
 
@@ -93,6 +94,13 @@ def _reshard(reading: Reading, where: str, value: Any) -> None:
     reading.set("reshard_after_forward", size, where)
 
 
+def _either_turns_on(reading: Reading, field: str, value: bool, where: str) -> None:
+    """Set a flag two keys may set: one key's "false" does not cancel the other's "true"."""
+    if value or field not in reading.values:
+        reading.values[field] = value
+        reading.origin[field] = where
+
+
 def _option(reading: Reading, key: str, value: Any, where: str, numeric: bool) -> bool:
     """Map one FSDP option (key without the fsdp_ prefix); False if xshard has no such option."""
     key = _SYNONYMS.get(key, key)
@@ -123,12 +131,15 @@ def _option(reading: Reading, key: str, value: Any, where: str, numeric: bool) -
     elif key == "state_dict_type":
         reading.set("state_dict_type", parse_choice(where, value, STATE_DICT), where)
     elif key == "sync_module_states":
-        reading.set("sync_module_states", parse_bool(where, value), where)
+        _either_turns_on(reading, "sync_module_states", parse_bool(where, value), where)
+    elif key == "cpu_ram_efficient_loading":
+        # Accelerate turns sync_module_states on with it (rank 0 loads, the others receive its weights);
+        # transformers' rank-0-only loading is xshard.from_pretrained_sharded's
+        if parse_bool(where, value):
+            _either_turns_on(reading, "sync_module_states", True, where)
     elif key == "activation_checkpointing":
-        # either spelling (or xla_fsdp_grad_ckpt) turns it on; one "false" does not cancel the other's "true"
-        if parse_bool(where, value) or "activation_checkpointing" not in reading.values:
-            reading.values["activation_checkpointing"] = parse_bool(where, value)
-            reading.origin["activation_checkpointing"] = where
+        # either spelling (or xla_fsdp_grad_ckpt) turns it on
+        _either_turns_on(reading, "activation_checkpointing", parse_bool(where, value), where)
     else:
         return False
     return True
