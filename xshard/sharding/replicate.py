@@ -8,6 +8,10 @@ even when ranks use different parameters (data-dependent branches): a rank that 
 only launches later, in the callback queued on the autograd engine that issues what never filled,
 waits for everything and leaves the averages in ``param.grad``.
 
+With a ``reduce_dtype`` other than the gradients' (the config's, or DDP's ``comm_hook`` FP16 / BF16) a
+bucket is all-reduced in that dtype as torch's ``fp16_compress_hook`` / ``bf16_compress_hook`` do it: the
+gradients cast into the bucket, divided by the world size, summed, and cast back into ``param.grad``.
+
 Unused parameters: each bucket carries one flag per parameter ("this rank had a gradient") in the
 same all-reduce, so a parameter that no rank used keeps ``grad is None`` (as DDP with
 ``find_unused_parameters``), and one used on some ranks gets the average. The flags are read on the
@@ -190,7 +194,13 @@ class ReplicatedEngine(Engine):
                     part.copy_(p.grad.reshape(-1))
             flat[bucket.numel:].copy_(used_flags(used, 1, dtype, flat.device))
         bucket.all_used_here = all(used)
-        bucket.handle = self.collectives.all_reduce(flat, op="avg", async_op=True,
+        op = "avg"
+        if dtype != bucket.params[0].dtype:
+            # compressed (reduce_dtype, DDP's comm_hook FP16 / BF16): torch's compress hooks' arithmetic, so
+            # the numbers are DDP's: cast, divide by the world size in the low dtype, sum, cast back at the end
+            flat.div_(self.collectives.world_size)
+            op = "sum"
+        bucket.handle = self.collectives.all_reduce(flat, op=op, async_op=True,
                                                     tag=f"all-reduce of gradient bucket {bucket.index}")
 
     @torch.compiler.disable
