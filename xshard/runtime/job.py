@@ -57,7 +57,9 @@ class JobOptimizer(Stateful, Protocol):
     optimizer: torch.optim.Optimizer
     #: the prepared model whose gradients it steps (clipped with the config's ``gradient_clipping``), or None
     model: ShardedModel | None
-    step_was_skipped: bool
+
+    @property
+    def step_was_skipped(self) -> bool: ...
 
 
 class BackgroundWrite(Protocol):

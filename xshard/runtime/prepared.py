@@ -61,7 +61,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.job = job
         self.model = model
         self.stepped = False
-        self.step_was_skipped = False
+        self._skipped = False
         self._token = uuid.uuid4().hex  # names this optimizer's job and model when pickled (``__getstate__``)
         _LIVE_OPTIMIZERS[self._token] = self
 
@@ -89,6 +89,11 @@ class PreparedOptimizer(torch.optim.Optimizer):
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """True after an fp16 step skipped for inf/nan gradients (every rank agrees), as Accelerate's."""
+        return self._skipped
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state (over its parameter shards at stages 1-3)."""
@@ -171,7 +176,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if job.gradient_clipping > 0 and not job.clipped and self.model is not None:
             clip = GradientClip([self.model], job.user_optimizers(), job.gradient_clipping)
         self.stepped = job.precision.optimizer_step(self.optimizer, clip=clip)
-        self.step_was_skipped = not self.stepped
+        self._skipped = not self.stepped
         job.finish_optimizer_step()
 
     def __getstate__(self) -> dict[str, Any]:
