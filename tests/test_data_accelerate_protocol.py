@@ -199,6 +199,7 @@ def _flat(rows: list[list[float]]) -> list[float]:
 
 def _same(ours: dict, reference: dict) -> None:
     assert ours["read"] == reference["read"]
+    assert ours["flags"] == reference["flags"]
     assert len(ours["losses"]) == len(reference["losses"])
     assert _flat(ours["losses"]) == pytest.approx(_flat(reference["losses"]), rel=1e-5, abs=1e-7)
     assert [ids for _, ids in ours["predictions"]] == [ids for _, ids in reference["predictions"]]
@@ -236,3 +237,15 @@ def test_an_example_loop_saved_mid_epoch_or_after_it_resumes_to_the_uninterrupte
     for name, values in whole["weights"].items():
         assert mid["weights"][name] == pytest.approx(values, rel=1e-5, abs=1e-6), name
         assert after["weights"][name] == pytest.approx(values, rel=1e-5, abs=1e-6), name
+
+
+@pytest.mark.multiprocess
+def test_an_accelerate_checkpoint_of_a_stateful_loader_resumes_where_accelerate_resumes(tmp_path):
+    """``use_stateful_dataloader=True``: Accelerate's ``dl_state_dict.bin`` holds the batches the pass had yielded;
+    xshard resumed from Accelerate's folder trains the steps Accelerate's own resumed run trains."""
+    _run("accelerate", tmp_path, "default", None, "--stateful", "--save_at", "3", "--output_dir", "acc")
+    folder = str(tmp_path / "acc" / "mid")
+    theirs, ours = side_by_side(lambda: _run("accelerate", tmp_path, "default", None, "--stateful", "--resume", folder),
+                                lambda: _run("xshard", tmp_path, "default", 0, "--stateful", "--resume", folder))
+    assert len(theirs["losses"]) == 18 - 3
+    _same(ours, theirs)

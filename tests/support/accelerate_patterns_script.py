@@ -1,7 +1,7 @@
 """The loop patterns of Accelerate's own example programs, written for these tests; only the import differs
 (``ACCELERATOR=xshard`` or ``accelerate``).
 
-    python accelerate_patterns_script.py --pattern PATTERN [--save_at STEP --output_dir DIR] [--resume DIR]
+    python accelerate_patterns_script.py --pattern PATTERN [--stateful] [--save_at STEP --output_dir DIR] [--resume DIR]
 
 Every pattern seeds as Accelerate's examples do, ``set_seed(42)`` after building the Accelerator (``seed_first``:
 before it), shuffles its training data with a plain ``shuffle=True`` and trains a small net with dropout for 3
@@ -18,9 +18,11 @@ epochs with AdamW and a linear schedule:
 - ``accumulate``: ``gradient_accumulation.py``'s loop, ``with accelerator.accumulate(model)`` over 2 micro-steps.
 
 Each epoch ends with an evaluation through ``gather_for_metrics``. ``--save_at`` saves the state after that many
-optimizer steps and at the end of the first epoch (``DIR/mid``, ``DIR/epoch``); ``--resume`` loads one and goes on
-(``skip_first_batches`` in the resumed epoch, as ``checkpointing.py`` does). Prints one ``RESULT {json}`` line on
-the main process: every step's losses (each process's, gathered), the sample ids each process read, the evaluation's
+optimizer steps and at the end of the first epoch, after its evaluation (``DIR/mid``, ``DIR/epoch``); ``--resume`` loads one and goes on
+(``skip_first_batches`` in the resumed epoch, as ``checkpointing.py`` does, except with ``--stateful``:
+``use_stateful_dataloader=True``, whose loader resumes by itself). Prints one ``RESULT {json}`` line on
+the main process: every step's losses (each process's, gathered), the sample ids each process read, the
+accumulation and loader flags (``sync_gradients``, ``end_of_dataloader``, ``remainder``), the evaluation's
 predictions, and the final weights.
 """
 
@@ -82,12 +84,14 @@ def main() -> None:
     parser.add_argument("--save_at", type=int, default=0)
     parser.add_argument("--output_dir", default="out")
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--stateful", action="store_true")
     args = parser.parse_args()
 
     if args.pattern == "seed_first":
         set_seed(42)
     accumulation = 2 if args.pattern in ("next_calls", "accumulate") else 1
-    config = DataLoaderConfiguration(use_seedable_sampler=args.pattern == "seedable")
+    config = DataLoaderConfiguration(use_seedable_sampler=args.pattern == "seedable",
+                                     use_stateful_dataloader=args.stateful)
     accelerator = Accelerator(gradient_accumulation_steps=accumulation, dataloader_config=config)
     if args.pattern != "seed_first":
         set_seed(42)
@@ -98,7 +102,7 @@ def main() -> None:
     schedule = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_iters=40)
     model, optimizer, train, evaluation, schedule = accelerator.prepare(model, optimizer, train, evaluation, schedule)
 
-    out: dict = {"losses": [], "read": [], "predictions": []}
+    out: dict = {"losses": [], "read": [], "predictions": [], "flags": []}
     steps, start_epoch, resume_step = 0, 0, 0
     if args.resume:
         accelerator.load_state(args.resume)
@@ -116,6 +120,8 @@ def main() -> None:
     def record(loss: torch.Tensor, ids: torch.Tensor) -> None:
         out["losses"].append(accelerator.gather(loss.detach().reshape(1)).tolist())
         out["read"].append(accelerator.gather(ids).tolist())
+        state = accelerator.gradient_state
+        out["flags"].append([accelerator.sync_gradients, state.end_of_dataloader, state.remainder])
 
     for epoch in range(start_epoch, EPOCHS):
         model.train()
@@ -135,7 +141,7 @@ def main() -> None:
                 optimizer.zero_grad()
         else:
             loader = train
-            if args.resume and epoch == start_epoch and resume_step:
+            if args.resume and epoch == start_epoch and resume_step and not args.stateful:
                 loader = accelerator.skip_first_batches(train, resume_step)
             for step, (x, y, ids) in enumerate(loader, start=resume_step if loader is not train else 0):
                 with accelerator.accumulate(model) if args.pattern == "accumulate" else contextlib.nullcontext():
@@ -153,14 +159,14 @@ def main() -> None:
                 if accelerator.check_trigger():
                     break
             resume_step = 0
-        if args.save_at and epoch == 0:
-            save("epoch", epoch + 1, 0)
         model.eval()
         for x, _, ids in evaluation:
             with torch.no_grad():
                 predictions = model(x)
             predictions, ids = accelerator.gather_for_metrics((predictions, ids))
             out["predictions"].append([predictions.flatten().tolist(), ids.tolist()])
+        if args.save_at and epoch == 0:
+            save("epoch", epoch + 1, 0)
 
     weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:

@@ -19,9 +19,13 @@ Everything is read by rows (``sources.py``), as xshard's own checkpoints are, so
 and stage resume it: a DCP folder through DCP's own reader, asked for this rank's rows only, a
 ``.bin`` file memory-mapped and read with ``torch.load(weights_only=True)`` (numpy's RNG arrays
 allowed). A DCP folder's ``.metadata`` pickle is read with only DCP's metadata types allowed
-(``dcp_metadata.py``), so a crafted folder runs no code. Data loader positions (``sampler.bin``: a pickled sampler object) are not read: the
-loaders start at the beginning of their epoch, as after Accelerate's own ``load_state``, and a log
-line says so. FSDP's LOCAL_STATE_DICT (flattened per-rank shards only FSDP can read) is refused.
+(``dcp_metadata.py``), so a crafted folder runs no code. A data loader's position is read where Accelerate
+saved one: ``dl_state_dict.bin`` (``use_stateful_dataloader=True``, torchdata's ``StatefulDataLoader`` state) gives
+the batches this rank's pass had yielded (``_num_yielded``), and the loader resumes after them in its current
+epoch, as Accelerate's own ``load_state`` resumes it. ``sampler.bin`` (a pickled sampler object) is never read:
+without ``dl_state_dict.bin`` the loaders start at the beginning of their epoch, as after Accelerate's own
+``load_state``, and a log line says so. FSDP's LOCAL_STATE_DICT (flattened per-rank shards only FSDP can read)
+is refused.
 """
 
 from __future__ import annotations
@@ -180,6 +184,23 @@ def _rng(folder: Path, rank: int) -> dict[str, Any] | None:
     return out
 
 
+def _loader_position(folder: Path, i: int, loader: Any) -> dict[str, Any] | None:
+    """Loader ``i``'s position from Accelerate's ``dl_state_dict.bin`` (None where there is none): the batches
+    this rank's pass had yielded (torchdata's ``_num_yielded``; its ``_iterator_finished`` pass counts whole), in
+    the loader's current epoch."""
+    path = folder / _indexed("dl_state_dict", i, ".bin")
+    if not path.is_file():
+        return None
+    state = _torch_load(path)
+    yielded = state.get("_num_yielded") if isinstance(state, dict) else None
+    if not isinstance(yielded, int) or yielded < 0:
+        raise CheckpointError(f"{path} is not a data loader state Accelerate saved (no count of the batches "
+                              "yielded, '_num_yielded'); remove it to resume at the beginning of the epoch")
+    if state.get("_iterator_finished"):
+        yielded = max(yielded, len(loader))
+    return {"epoch": loader.epoch, "batches_consumed": yielded}
+
+
 def read_plan(job: JobState, folder: Path) -> dict[str, Any]:
     """Everything this rank needs from an Accelerate folder, checked against the job; changes nothing."""
     plan: dict[str, Any] = {"models": [], "optimizers": []}
@@ -205,8 +226,10 @@ def read_plan(job: JobState, folder: Path) -> dict[str, Any]:
         plan["micro_step"] = rng.pop("accelerate_step") % max(1, job.gradient_accumulation_steps)
         plan["rng"] = rng
     plan["step"] = job.step
-    if job.loaders:
-        log.info("%s is an Accelerate checkpoint: data loaders start at the beginning of their epoch (Accelerate "
-                 "does not save their position either; skip batches yourself if you need to)", folder)
+    plan["data"] = [_loader_position(folder, i, loader) for i, loader in enumerate(job.loaders)]
+    if any(position is None for position in plan["data"]):
+        log.info("%s is an Accelerate checkpoint without the position of every data loader (dl_state_dict.bin: "
+                 "Accelerate saves it with use_stateful_dataloader=True): those start at the beginning of their "
+                 "epoch, as after Accelerate's load_state; skip batches yourself if you need to", folder)
     log.info("reading an Accelerate checkpoint from %s", folder)
     return plan

@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 from ..sharding.trees import map_leaves
 from .batch_order import EpochBatches, RankBatches
 from .iterator_seed import IteratorSeed
+from .loader_surface import AccelerateLoaderMembers
 from .rank_logging import get_logger
 from .stream_position import StreamPosition
 from .stream_shard import StreamShard, split_by_node, splits_by_node
@@ -167,7 +168,7 @@ def _rebuild(loader: DataLoader, dataset: Any, batching: dict[str, Any],
     return DataLoader(dataset, **kwargs)
 
 
-class ShardedDataLoader:
+class ShardedDataLoader(AccelerateLoaderMembers):
     """A DataLoader that shards over ranks, places batches on the device and remembers its position.
 
     Build it with ``shard_data_loader`` (``Accelerator.prepare`` does). Each ``iter()`` is a new pass over this

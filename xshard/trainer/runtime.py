@@ -6,9 +6,9 @@
 - accumulation 1 and no clipping in the Accelerator: the Trainer counts its accumulation window itself
   (``gradient_state._set_sync_gradients``, ``no_sync``), divides the loss, and clips with ``max_grad_norm``
   (the stock Trainer gives Accelerate ``num_steps=1`` for the same reason);
-- the data order of the stock Trainer: its ``RandomSampler`` becomes xshard's shuffle seeded with
-  ``data_seed`` (else ``seed``) plus the epoch, which is Accelerate's seedable sampler's order, so one process
-  reads the batches the stock Trainer reads;
+- the data order of the stock Trainer: Accelerate's seedable sampler (``use_seedable_sampler``, the stock
+  Trainer's default), its ``RandomSampler`` drawn from ``data_seed`` (else the seed the Trainer set) plus the
+  epoch, so one process reads the batches the stock Trainer reads;
 - precision from the config; where the device cannot compute in it, one warning and fp32 (arguments that
   are not xshard's never checked the device);
 - ``--torch_compile``: the stock Trainer's ``TorchDynamoPlugin`` (``trainer_dynamo_plugin``), with which
