@@ -26,7 +26,8 @@ SCRIPT = Path(__file__).resolve().parent / "support" / "trainer_compile_script.p
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
 XSHARD = [sys.executable, "-m", "xshard", "launch", "--nproc", "2"]
 ARGS = ["--max_steps", "3", "--per_device_train_batch_size", "4", "--learning_rate", "1e-2", "--logging_steps", "1",
-        "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no", "--seed", "5"]
+        "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no", "--seed", "5",
+        "--ddp_timeout", "600", "--ddp_bucket_cap_mb", "1"]
 COMPILE = ["--torch_compile", "--torch_compile_backend", "aot_eager"]
 
 

@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None, impl: str | None = None) -> Any:
         if trainer.is_world_process_zero():
             with open(os.path.join(training_args.output_dir, "eval_results.json"), "w") as f:
                 json.dump({"eval_loss": metrics["eval_loss"], "predict_loss": predictions.metrics["test_loss"],
-                           "predicted_rows": len(predictions.label_ids)}, f)
+                           "predicted_rows": None if predictions.label_ids is None else len(predictions.label_ids)}, f)
     return trainer
 
 

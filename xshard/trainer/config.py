@@ -322,6 +322,8 @@ _UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "ddp_broadcast_buffers": ((None, True), "buffers are always broadcast from rank 0, as DDP's default does"),
     "ddp_static_graph": ((None, False), "nothing to declare: xshard's hooks follow the graph each step"),
     "save_on_each_node": ((False,), "one process writes each checkpoint (use a file system every node sees)"),
+    "ddp_find_unused_parameters": ((None, False), "not needed: stage 0 allows unused parameters; at stages 1-3 "
+                                                  "every rank must run the same units"),
 }
 
 
@@ -339,6 +341,12 @@ def _unhonoured(args: Any) -> list[str]:
 
 def _refuse(args: Any) -> None:
     """Arguments that would change the results without a word: errors naming the argument and the fix."""
+    for name, dtype in (("bf16_full_eval", "bf16"), ("fp16_full_eval", "fp16")):
+        if getattr(args, name, False):
+            raise XShardConfigError(
+                f"{name}: the Trainer would cast the whole model to {dtype} in place for evaluation, and xshard does "
+                f"not cast a sharded model's parameters; remove --{name} (--{dtype} evaluates in mixed precision)",
+                (name,))
     parallelism = getattr(args, "parallelism_config", None)
     if parallelism is not None:
         sizes = {n: getattr(parallelism, n, 1) for n in ("tp_size", "cp_size", "sp_size", "dp_replicate_size")}
@@ -358,5 +366,6 @@ def _cache_key(args: Any) -> str | None:
              "bf16_full_eval", "fp16_full_eval", "use_cpu", "per_device_train_batch_size",
              "gradient_accumulation_steps", "max_grad_norm", "learning_rate", "adam_beta1", "adam_beta2",
              "adam_epsilon", "weight_decay", "warmup_steps", "max_steps", "ddp_bucket_cap_mb", "ddp_backend",
-             "ddp_broadcast_buffers", "ddp_static_graph", "save_on_each_node", "parallelism_config")
+             "ddp_broadcast_buffers", "ddp_static_graph", "save_on_each_node", "parallelism_config",
+             "ddp_find_unused_parameters")
     return json.dumps({n: repr(getattr(args, n, None)) for n in names}, sort_keys=True)
