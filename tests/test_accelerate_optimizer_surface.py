@@ -314,3 +314,17 @@ def test_torchs_class_members_of_the_prepared_optimizer_are_accelerates():
     assert issubclass(PreparedOptimizer, torch.optim.Optimizer)  # isinstance checks keep working, as on Accelerate's
     public = {n for n in dir(AcceleratedOptimizer) if not n.startswith("_")}
     assert public <= {n for n in dir(PreparedOptimizer) if not n.startswith("_")}
+
+
+def test_a_deepspeed_plugins_config_shows_the_accumulation_a_script_set():
+    import xshard
+
+    acc = xshard.Accelerator(backend="cpu", config={"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 2,
+                                                    "train_micro_batch_size_per_gpu": 2, "train_batch_size": 4})
+    try:
+        acc.gradient_accumulation_steps = 4
+        plugin = acc.state.deepspeed_plugin
+        assert plugin.gradient_accumulation_steps == 4 == acc.config.gradient_accumulation_steps
+        assert (plugin.deepspeed_config["gradient_accumulation_steps"], plugin.deepspeed_config["train_batch_size"]) == (4, 8)
+    finally:
+        acc.end()
