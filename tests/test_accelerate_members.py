@@ -10,6 +10,7 @@ xshard's). The conformance rows (``xshard/accelerate_compat/conformance/``) name
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import io
 from collections.abc import Callable
@@ -74,6 +75,12 @@ def _saved(acc: Any, folder: Path) -> Any:
     return torch.load(path)
 
 
+def _profiled(acc: Any) -> tuple[str, bool]:
+    with acc.profile() as profiler:
+        torch.ones(4).sum()
+    return type(profiler).__name__, len(profiler.key_averages()) > 0
+
+
 def _decorated(acc: Any) -> dict[str, Any]:
     runs = {"on_main_process": acc.on_main_process, "on_local_main_process": acc.on_local_main_process,
             "on_last_process": acc.on_last_process}
@@ -95,12 +102,14 @@ def _training(acc: Any, folder: Path) -> dict[str, Any]:
     net = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    model, opt, loader, sched = acc.prepare(net, opt, DataLoader(_data(), batch_size=2), sched)
+    model, opt = acc.prepare_model(net), acc.prepare_optimizer(opt)
+    loader, sched = acc.prepare_data_loader(DataLoader(_data(), batch_size=2)), acc.prepare_scheduler(sched)
     out: dict[str, Any] = {"losses": [], "norms": [], "lrs": []}
     for x, y in loader:
         with acc.accumulate(model):
             loss = torch.nn.functional.mse_loss(model(x), y)
             acc.backward(loss)
+            out["unscale_gradients"] = acc.unscale_gradients()
             out["norms"].append(round(float(acc.clip_grad_norm_(model.parameters(), 0.5)), 5))
             acc.clip_grad_value_(model.parameters(), 0.05)
             opt.step()
@@ -122,6 +131,13 @@ def _training(acc: Any, folder: Path) -> dict[str, Any]:
     grads = acc.gather(acc.unwrap_model(model).weight.grad.reshape(1, -1))
     out["no_sync"] = torch.equal(grads[0], grads[1])
     opt.zero_grad()
+    with acc.no_sync(model):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        with acc.trigger_sync_in_backward(model):
+            acc.backward(loss)
+    grads = acc.gather(acc.unwrap_model(model).weight.grad.reshape(1, -1))
+    out["trigger_sync_in_backward"] = torch.equal(grads[0], grads[1])
+    opt.zero_grad()
     with acc.autocast():
         out["autocast"] = torch.is_autocast_enabled("cpu")
     with acc.join_uneven_inputs([model]):
@@ -139,7 +155,7 @@ ACCELERATOR_SNIPPETS: dict[str, Snippet] = {
         "split_batches", "even_batches", "dispatch_batches", "non_blocking", "use_seedable_sampler",
         "use_stateful_dataloader", "step_scheduler_with_optimizer", "device_placement", "native_amp",
         "sync_gradients", "gradient_accumulation_steps", "optimizer_step_was_skipped", "scaler", "trackers",
-        "project_dir", "logging_dir", "save_iteration", "deepspeed_plugin", "is_fsdp2", "step")},
+        "project_dir", "logging_dir", "save_iteration", "deepspeed_plugin", "is_fsdp2", "step", "profile_handler")},
     "device": lambda acc, _: str(acc.device),
     "state": lambda acc, _: (acc.state.num_processes, acc.state.process_index, acc.state.local_process_index,
                              acc.state.distributed_type.value, acc.state.mixed_precision),
@@ -171,6 +187,7 @@ ACCELERATOR_SNIPPETS: dict[str, Snippet] = {
                                           acc.gather_for_metrics(torch.tensor([acc.process_index]))),
     "check_trigger": lambda acc, _: _trigger(acc),
     "save": lambda acc, folder: _saved(acc, folder),
+    "profile": lambda acc, _: _profiled(acc),
     "training": _training,
 }
 
@@ -184,6 +201,9 @@ DIFFERENT: dict[str, tuple[Any, Any]] = {
     "device": ("cpu:0", "cpu"),
     "state.device": ("cpu:0", "cpu"),
     "batch_size": (None, 2),  # Accelerate's loader is built from a batch sampler, so torch's batch_size is None
+    "sampler": ("SequentialSampler", "RankBatches"),
+    "batch_sampler": ("BatchSamplerShard", "RankBatches"),
+    "get_sampler": ("NoneType", "RankBatches"),  # Accelerate's finds no sampler of its own kind here
 }
 
 
@@ -199,7 +219,8 @@ def _loader_members(acc: Any, folder: Path) -> dict[str, Any]:
         collate_fn=getattr(loader.collate_fn, "__name__", None), device=str(loader.device),
         check_worker_number_rationality=loader.check_worker_number_rationality(),
         base_dataloader=[b[0].tolist() for b in loader.base_dataloader],
-        use_stateful_dataloader=loader.use_stateful_dataloader)
+        use_stateful_dataloader=loader.use_stateful_dataloader, sampler=type(loader.sampler).__name__,
+        batch_sampler=type(loader.batch_sampler).__name__, get_sampler=type(loader.get_sampler()).__name__)
     return values
 
 
@@ -238,6 +259,72 @@ def _compare(surface: str, folder: Path) -> None:
             if pair != DIFFERENT.get(member, (expected, expected)):
                 unlike[f"rank {rank}: {member}"] = pair
     assert unlike == {}, "members unlike Accelerate's (Accelerate's result, xshard's): " + repr(unlike)
+
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """A configuration dataclass's fields and their defaults."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return _plain(out)
+
+
+def _draws(module: Any) -> tuple[float, float, float]:
+    import random
+
+    import numpy as np
+
+    module.set_seed(7)
+    return random.random(), float(np.random.rand()), torch.rand(1).item()
+
+
+def _utils_names(module: Any) -> dict[str, Any]:
+    """What each of ``accelerate.utils``' names that xshard.utils has gives (``module``: either)."""
+    out: dict[str, Any] = {}
+    for name in UTILS_NAMES:
+        value = getattr(module, name)
+        if dataclasses.is_dataclass(value):
+            out[name] = _defaults(value)
+        elif isinstance(value, type) and issubclass(value, enum.Enum):
+            out[name] = {m.name: m.value for m in value}
+    out["set_seed"] = _draws(module)
+    out["send_to_device"] = _plain(module.send_to_device({"a": [torch.ones(2)], "b": (torch.zeros(1), 3)}, "cpu"))
+    out["release_memory"] = module.release_memory(torch.ones(1), torch.ones(2))
+    out["tqdm"] = list(module.tqdm(range(3), main_process_only=True, disable=True))
+    return out
+
+
+def _utils_worker(rank: int, world_size: int) -> dict[str, Any]:
+    import accelerate.utils
+
+    import xshard.utils
+
+    return {"accelerate": _utils_names(accelerate.utils), "xshard": _utils_names(xshard.utils)}
+
+
+#: accelerate.utils' names that xshard.utils has (the others raise an ImportError naming xshard's way)
+UTILS_NAMES = ("AutocastKwargs", "DDPCommunicationHookType", "DataLoaderConfiguration", "DeepSpeedPlugin",
+               "DistributedDataParallelKwargs", "DistributedType", "FullyShardedDataParallelPlugin",
+               "GradScalerKwargs", "GradientAccumulationPlugin", "InitProcessGroupKwargs", "LoggerType",
+               "PrecisionType", "ProfileKwargs", "ProjectConfiguration", "release_memory", "send_to_device",
+               "set_seed", "tqdm")
+
+
+def test_utils_names_match_accelerate():
+    """Each name's defaults, values or results as accelerate.utils' (DistributedType: xshard's own names)."""
+    [both] = run_workers(_utils_worker, 1, timeout=120)
+    stock, ours = both["accelerate"], both["xshard"]
+    assert ours.keys() == stock.keys()
+    unlike = {name: (stock[name], ours[name]) for name in stock if stock[name] != ours[name]}
+    kinds = unlike.pop("DistributedType")
+    assert unlike == {}, "names unlike Accelerate's (Accelerate's, xshard's): " + repr(unlike)
+    # xshard's distributed types: Accelerate's values where both have the name; MULTI_TPU (TorchTPU) and MULTI_MPS
+    # are xshard's own
+    assert {k: v for k, v in kinds[1].items() if k in kinds[0]} == {k: v for k, v in kinds[0].items() if k in kinds[1]}
+    assert set(kinds[1]) - set(kinds[0]) == {"MULTI_MPS", "MULTI_TPU"}
 
 
 def test_accelerator_members_match_accelerate(tmp_path):

@@ -33,6 +33,8 @@ SAME_MEANING = {
     "xla": "a device family and its launcher", "tpu": "a device family and its launcher",
     "base": "the Backend contract and the launcher contract",
     "single": "one process's collectives and one process's launcher",
+    "__main__": "`python -m xshard` and `python -m xshard.accelerate_compat.conformance` (the tables' generator)",
+    "accelerator": "the Accelerator and the conformance table of Accelerate's Accelerator",
 }
 
 #: the import paths the docs, the examples and Accelerate's users write: module -> names
