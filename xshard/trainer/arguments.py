@@ -6,7 +6,7 @@ nothing else in a script changes. What differs from the stock class:
 - Devices: the processes, the device and the process group are xshard's backend's (``XSHARD_BACKEND``,
   ``--use_cpu`` = the cpu backend), not Accelerate's ``PartialState``; ``world_size``, ``process_index``,
   ``device``, ``parallel_mode`` and ``main_process_first`` answer from it, under ``xshard launch``,
-  ``torchrun`` or torch_xla's launcher alike.
+  ``torchrun`` or torch_xla's launcher alike; ``n_gpu`` is the stock class's count (``process_gpu_count``).
 - ``--deepspeed ds_config.json`` (a path, a dict or JSON text) is read by xshard: DeepSpeed need not be
   installed (the stock class imports it here). ``deepspeed_plugin`` and ``hf_deepspeed_config`` stay None.
 - ``--fsdp "full_shard auto_wrap offload"``: the words are read by xshard (hybrid_shard and no_shard too;
