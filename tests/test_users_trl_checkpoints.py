@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.jobs import run_job
+from support.jobs import run_anchor, run_job
 
 pytestmark = pytest.mark.multiprocess
 
@@ -38,6 +38,10 @@ def _run(launcher: list[str], model: Path, out: Path, *options: str, trainer: st
     if trainer == "stock":
         env["ACCELERATE_USE_CPU"] = "true"
     command = [*launcher, str(SCRIPT), str(model), str(DATA), str(out), *CHECKPOINTS, *options]
+    if trainer == "stock":  # the anchor's exit is not under test: its record, once written, is read
+        anchor = run_anchor(command, timeout=TIMEOUT, cwd=ROOT, env=env, written=(out / "this_run.json").is_file)
+        assert anchor.ok, anchor.stdout[-3000:] + anchor.stderr[-5000:]
+        return json.loads((out / "this_run.json").read_text())
     proc = run_job(command, timeout=TIMEOUT, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads((out / "this_run.json").read_text())
