@@ -202,6 +202,9 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     path = folder / MANIFEST
     if not path.is_file():
         raise CheckpointError(missing_checkpoint_message(folder))
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise CheckpointError(f"{path} leads outside the checkpoint folder (a link to {path.resolve()}): every file "
+                              "a checkpoint is read from must lie inside its folder; load another checkpoint")
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -289,6 +292,11 @@ def check_destination(final: Path) -> None:
     if final.exists() and not final.is_dir():
         raise CheckpointSaveError(f"cannot save a checkpoint to {final}: it is a file, not a folder; pass a folder "
                                   "(e.g. out/checkpoint-500)")
+    for path in (final, final.with_name(final.name + TMP_SUFFIX), final.with_name(final.name + OLD_SUFFIX)):
+        if path.is_symlink() and not path.resolve().is_relative_to(final.parent.resolve()):
+            raise CheckpointSaveError(f"cannot save a checkpoint to {final}: {path} is a link to {path.resolve()}, "
+                                      "outside the output folder, and a save never writes through it; remove the "
+                                      "link or save elsewhere")
     for leftover in (final.with_name(final.name + TMP_SUFFIX), final.with_name(final.name + OLD_SUFFIX)):
         if leftover.is_dir() and not _ours_to_replace(leftover):
             raise CheckpointSaveError(f"cannot save a checkpoint to {final}: {leftover} exists and holds files xshard "

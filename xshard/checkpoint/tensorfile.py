@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -118,6 +119,40 @@ def write_bytes(out: HashingFile | IO[bytes], data: torch.Tensor) -> None:
     page-aligned ``data`` starts page-aligned: ``direct_io.BlockWriter`` then writes it without a copy)."""
     for start in range(0, data.numel(), _CHUNK):
         out.write(data[start:start + _CHUNK].numpy())  # type: ignore[call-overload]  # a bytes-like buffer
+
+
+def remove_stale_partials(target: Path) -> list[Path]:
+    """Remove the partial files an ``atomic_path(target)`` of an earlier process left when it was killed (its
+    ``.NAME.<pid>.tmp``, owned by this user, its pid no longer alive); returns what was removed. Another user's,
+    or a live process's (a run writing it now), is left alone."""
+    removed = []
+    pattern = re.compile(rf"^\.{re.escape(target.name)}\.(\d+)\.tmp$")
+    try:
+        candidates = list(target.parent.iterdir()) if target.parent.is_dir() else []
+    except OSError:
+        return removed
+    for path in candidates:
+        found = pattern.match(path.name)
+        if found is None or not path.is_file() or path.is_symlink():
+            continue
+        try:
+            if path.stat().st_uid != os.getuid() or _alive(int(found.group(1))):
+                continue
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 @contextmanager

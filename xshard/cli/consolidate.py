@@ -6,7 +6,8 @@
                                                                   # so that from_pretrained loads it
 
 OUT ending in ``.safetensors`` is that file; any other OUT is a folder. Every file is checked
-against the checkpoint's manifest (size and checksum) while it is read.
+against the checkpoint's manifest (size and checksum) while it is read. An existing output is refused
+unless ``--overwrite`` is given (the new file is written beside it and renamed in).
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                     "transformers model, config.json)")
     parser.add_argument("--model-index", type=int, default=0,
                         help="which prepared model, for jobs that prepared several (default: 0)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing output file (written beside it, then renamed in)")
 
 
 def run(args: argparse.Namespace) -> int:
     from xshard.checkpoint.consolidate import consolidate
 
-    written = consolidate(args.checkpoint, args.out, args.model_index)
+    written = consolidate(args.checkpoint, args.out, args.model_index, overwrite=args.overwrite)
     print(f"wrote {written}")
     return 0
