@@ -75,6 +75,14 @@ def _saved(acc: Any, folder: Path) -> Any:
     return torch.load(path)
 
 
+def _device_mapped() -> list[torch.nn.Module]:
+    """A plain model, one loaded on one device and one spread over two (``from_pretrained``'s ``hf_device_map``)."""
+    models = [torch.nn.Sequential(torch.nn.Linear(2, 2)) for _ in range(3)]
+    models[1][0].hf_device_map = {"": "cpu"}
+    models[2][0].hf_device_map = {"0": "cpu", "1": "disk"}
+    return models
+
+
 def _profiled(acc: Any) -> tuple[str, bool]:
     with acc.profile() as profiler:
         torch.ones(4).sum()
@@ -188,6 +196,7 @@ ACCELERATOR_SNIPPETS: dict[str, Snippet] = {
     "check_trigger": lambda acc, _: _trigger(acc),
     "save": lambda acc, folder: _saved(acc, folder),
     "profile": lambda acc, _: _profiled(acc),
+    "verify_device_map": lambda acc, _: [acc.verify_device_map(m) for m in _device_mapped()],
     "training": _training,
 }
 

@@ -305,3 +305,9 @@ class AccelerateSurface(AcceleratorCore):
         return release_memory(*objects)
 
     clear = free_memory
+
+    def verify_device_map(self, model: torch.nn.Module) -> bool:
+        """True when ``model`` or a module in it was loaded spread over several devices (a ``device_map`` of more
+        than one entry, as ``from_pretrained(device_map="auto")`` leaves in ``hf_device_map``), as Accelerate
+        checks before training such a model."""
+        return any(len(getattr(m, "hf_device_map", None) or ()) > 1 for m in model.modules())

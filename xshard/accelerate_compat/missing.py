@@ -17,7 +17,6 @@ ACCELERATOR_MEMBERS: dict[str, str] = {
                                     "load_state_dict() in save_state",
     "register_load_state_pre_hook": "register_for_checkpointing(obj) restores any object with state_dict()/"
                                     "load_state_dict() in load_state",
-    "verify_device_map": "xshard places the whole model itself (prepare); it takes no device_map",
     "lomo_backward": "use accelerator.backward(loss) with a torch optimizer",
     "has_lomo_optimizer": "use accelerator.backward(loss) with a torch optimizer",
     "deepspeed_engine_wrapped": "xshard runs no DeepSpeed engine: the prepared model and optimizer are the engine",

@@ -65,6 +65,7 @@ ACCELERATOR_ROWS: dict[str, Row] = {
             "unwrap_model", "free_memory", "clear"),
     "step": Row("different", "optimizer steps taken (Accelerate counts micro-steps in a window)", MEMBERS),
     "profile": _same("torch.profiler over the block, from ProfileKwargs"),
+    "verify_device_map": _same("True for a model loaded over several devices (hf_device_map)"),
     "skip_first_batches": Row("different", "a position in the epoch: after load_state restored it, skipping to "
                                            "the same batch skips nothing more", MEMBERS),
     # saving
