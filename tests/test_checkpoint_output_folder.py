@@ -129,10 +129,12 @@ def test_trainer_rotation_never_counts_a_link(tmp_path):
     assert saved_args.save_total_limit == 1  # the arguments as the user gave them
 
 
-def _lock(folder: Path, pid: int, host: str | None = None) -> None:
+def _lock(folder: Path, pid: int, host: str | None = None, process_start: int | None = None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / LOCK).write_text(json.dumps(
-        {"host": host or socket.gethostname(), "pid": pid, "started": time.time(), "run_id": "another-job"}))
+    owner = {"host": host or socket.gethostname(), "pid": pid, "started": time.time(), "run_id": "another-job"}
+    if process_start is not None:
+        owner["process_start"] = process_start
+    (folder / LOCK).write_text(json.dumps(owner))
 
 
 def test_a_folder_held_by_a_running_job_is_refused_at_the_first_save(job, tmp_path):
@@ -161,6 +163,30 @@ def test_a_lock_whose_process_is_gone_is_taken_over_with_a_warning(job, tmp_path
     assert json.loads((out / LOCK).read_text())["pid"] == os.getpid()
     acc.end()  # the end of the job frees the folder
     assert not (out / LOCK).exists()
+
+
+def test_a_lock_whose_pid_was_reused_by_another_process_is_taken_over_and_a_live_owner_still_holds(job, tmp_path):
+    """The lock names its owner's pid and start time: the same pid running a process that started at another
+    time (the pid reused by an unrelated process) no longer holds the folder."""
+    from xshard.checkpoint.output_lock import process_start
+
+    acc = job[0]
+    unrelated = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        out = tmp_path / "out"
+        _lock(out, unrelated.pid, process_start=process_start(unrelated.pid) - 1)  # an owner that started before
+        with pytest.warns(UserWarning, match=f"pid {unrelated.pid} now belongs to another process"):
+            acc.save_state(out / "checkpoint-1", save_total_limit=2)
+        assert ckpt_files.is_complete(out / "checkpoint-1")
+        assert json.loads((out / LOCK).read_text())["pid"] == os.getpid()
+
+        held = tmp_path / "held"
+        _lock(held, unrelated.pid, process_start=process_start(unrelated.pid))  # that very process: it holds
+        with pytest.raises(CheckpointSaveError, match=f"pid {unrelated.pid}"):
+            acc.save_state(held / "checkpoint-1", save_total_limit=2)
+    finally:
+        unrelated.kill()
+        unrelated.wait()
 
 
 def _held_folder_worker(rank, world_size, out, owner):

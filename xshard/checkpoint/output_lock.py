@@ -4,11 +4,12 @@ Two jobs saving numbered checkpoints into one folder rotate each other's checkpo
 main process takes ``<output folder>/.xshard_job.lock`` at the job's first save of a numbered
 checkpoint there (``checkpoint-500``, Accelerate's ``checkpoint_3``, the Trainer's ``checkpoint-N``),
 before anything is written, and removes it at the end of the job (``Accelerator.end()``, or when the
-process exits). The file holds the owner's host, pid, start time and job ids (JSON). A second
+process exits). The file holds the owner's host, pid, the process's start time and job ids (JSON). A second
 job's first save there is refused with one line naming the folder, the owner and the fix.
 
 A lock whose owner is gone is taken over, with a warning naming it: on the same host, when its pid is
-no longer running (a running pid on this host always holds it); from another host, when its owner has
+no longer running, or runs a process that started at another time than the lock's owner (the pid was reused
+by an unrelated process: the start time comes from the process table, ``/proc/<pid>/stat``); from another host, when its owner has
 not saved for ``OTHER_HOST_STALE_S`` (each save refreshes the file's time, so a long job that saves
 keeps it). The same job restarted takes its lock back silently: ``xshard launch --max_restarts``
 (torchrun's ``TORCHELASTIC_RUN_ID``, the same in every attempt of one launch) or a Slurm requeue
@@ -74,6 +75,16 @@ def _pid_running(pid: int) -> bool:
     return True
 
 
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since the boot, from the process table), or None where it cannot
+    be read (no such process, no ``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, after the command name in parentheses
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _describe(owner: dict[str, Any]) -> str:
     return f"host {owner.get('host', '?')}, pid {owner.get('pid', '?')}"
 
@@ -88,6 +99,10 @@ def _stale(owner: dict[str, Any] | None, path: Path) -> str | None:
         if pid == os.getpid():
             return ""
         if isinstance(pid, int) and _pid_running(pid):
+            started = owner.get("process_start")
+            if isinstance(started, int) and process_start(pid) not in (None, started):
+                return (f"its process ({_describe(owner)}) is no longer running (pid {pid} now belongs to another "
+                        "process, started later)")
             return None
         return "" if same_job else f"its process ({_describe(owner)}) is no longer running"
     if same_job:
@@ -119,7 +134,8 @@ def take(folder: Path) -> None:
         os.utime(path)
         return
     folder.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), **_job_ids()})
+    text = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "process_start": process_start(os.getpid()),
+                       "started": time.time(), **_job_ids()})
     for _ in range(3):
         if _create(path, text):
             if not _held:  # at the process's exit; a multiprocessing child runs no atexit, its finalizers
