@@ -5,8 +5,8 @@ The members come from the installed accelerate, enumerated in a process of its o
 (``python -m xshard.accelerate_compat.conformance --json``; ``conformance/installed.py`` says what counts: the
 ``Accelerator``'s class members and the attributes a real ``Accelerator(cpu=True)`` sets, the prepared optimizer,
 scheduler and loader likewise (the loader with what it hands on from torch's ``DataLoader``), every public name
-of ``accelerate.utils`` that is not a submodule (it has no ``__all__``), and the fields of its ``*Plugin`` /
-``*Kwargs`` dataclasses). So a new Accelerate release shows its new members here as failures, never as silence.
+of ``accelerate.utils`` that is not a submodule (it has no ``__all__``), and the fields of its ``*Plugin``,
+``*Kwargs`` and ``*Configuration`` dataclasses). So a new Accelerate release shows its new members here as failures, never as silence.
 
 - every member has a row, and no row but a refused one names a member the installed accelerate lacks;
 - every row names a test that exists (the one comparing it with Accelerate, or showing its warning or error);

@@ -1,12 +1,12 @@
 """Accelerate's public surface, member by member, and what xshard does with each one.
 
 One module per surface (the Accelerator, the prepared optimizer and scheduler, the prepared loader,
-``accelerate.utils``' names, the plugin and ``*Kwargs`` constructors) holds a ``ROWS`` table: one ``Row`` per
-public member of the installed accelerate. ``tests/test_accelerate_conformance.py`` enumerates the installed
-accelerate and fails on a member without a row, so a new Accelerate release shows its new surface as failures,
-never as silence; docs/accelerate-scripts.md shows the tables, as ``python -m xshard.accelerate_compat.conformance``
-prints them (``render``: one table per surface and a coverage line; ``installed`` enumerates the installed
-accelerate).
+``accelerate.utils``' names, the plugin, ``*Kwargs`` and ``*Configuration`` constructors) holds a ``ROWS``
+table: one ``Row`` per public member of the installed accelerate. ``tests/test_accelerate_conformance.py``
+enumerates the installed accelerate and fails on a member without a row, so a new Accelerate release shows its
+new surface as failures, never as silence; docs/accelerate-scripts.md shows the tables, as
+``python -m xshard.accelerate_compat.conformance`` prints them (``render``: one table per surface and a coverage
+line; ``installed`` enumerates the installed accelerate).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ SURFACES: tuple[Surface, ...] = (
     Surface("AcceleratedScheduler (the prepared scheduler)", "optimizer", "SCHEDULER_ROWS"),
     Surface("DataLoaderShard (the prepared data loader)", "loader", "LOADER_ROWS"),
     Surface("accelerate.utils", "utils_names", "UTILS_ROWS"),
-    Surface("Plugin and *Kwargs fields", "plugins", "PLUGIN_ROWS"),
+    Surface("Plugin, *Kwargs and *Configuration fields", "plugins", "PLUGIN_ROWS"),
 )
 
 

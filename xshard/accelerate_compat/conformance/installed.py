@@ -11,8 +11,9 @@ A member is public when its name does not start with ``_``. Each surface is what
   attributes, which it hands on from the DataLoader it wraps;
 - ``accelerate.utils``: it has no ``__all__``, so its surface is every public name that is not a submodule (the
   names ``from accelerate.utils import X`` finds);
-- the plugin and ``*Kwargs`` constructors: the public ``dataclasses.fields`` of ``accelerate.utils``' dataclasses
-  whose names end in ``Plugin`` or ``Kwargs``, as ``"Class.field"``.
+- the plugin, ``*Kwargs`` and ``*Configuration`` constructors: the public ``dataclasses.fields`` of
+  ``accelerate.utils``' dataclasses whose names end in ``Plugin``, ``Kwargs`` or ``Configuration``
+  (``ProjectConfiguration``, ``DataLoaderConfiguration``), as ``"Class.field"``.
 
 Builds Accelerate's own Accelerator: call it in a process of its own (``python -m
 xshard.accelerate_compat.conformance``), never beside a job.
@@ -51,7 +52,7 @@ def installed() -> tuple[dict[str, list[str]], str]:
     plugins = {
         name: _public(f.name for f in dataclasses.fields(cls))
         for name, cls in vars(utils).items()
-        if not name.startswith("_") and name.endswith(("Plugin", "Kwargs")) and inspect.isclass(cls)
+        if not name.startswith("_") and name.endswith(("Plugin", "Kwargs", "Configuration")) and inspect.isclass(cls)
         and dataclasses.is_dataclass(cls)
     }
     members = {
@@ -61,7 +62,7 @@ def installed() -> tuple[dict[str, list[str]], str]:
         "DataLoaderShard (the prepared data loader)": _public(dir(DataLoaderShard)) | _public(vars(loader))
         | _public(dir(DataLoader)) | _public(vars(loader.base_dataloader)),
         "accelerate.utils": {name for name in _public(dir(utils)) if not inspect.ismodule(getattr(utils, name))},
-        "Plugin and *Kwargs fields": {f"{owner}.{name}" for owner, fields in plugins.items() for name in fields},
+        "Plugin, *Kwargs and *Configuration fields": {f"{owner}.{name}" for owner, fields in plugins.items() for name in fields},
     }
     acc.end_training()
     assert set(members) == {s.title for s in SURFACES}
