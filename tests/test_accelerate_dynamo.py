@@ -108,3 +108,15 @@ def test_regional_compilation_is_warned_and_the_whole_model_compiled():
         "TorchDynamoPlugin(use_regional_compilation=True): xshard compiles the whole prepared model (compile the "
         "repeated blocks yourself with block.compile() before prepare for regional compilation)"]
     acc.end()
+
+
+def test_accelerates_own_state_holds_the_same_plugin():
+    """A script that imported Accelerate reads the job's plugin from ``accelerate.state.AcceleratorState`` too."""
+    import accelerate.state
+
+    acc = xshard.Accelerator(dynamo_backend="eager", cpu=True)
+    try:
+        assert accelerate.state.AcceleratorState._shared_state["dynamo_plugin"] is acc.state.dynamo_plugin
+        assert accelerate.state.AcceleratorState().dynamo_plugin.backend != accelerate.utils.DynamoBackend.NO
+    finally:
+        acc.end()

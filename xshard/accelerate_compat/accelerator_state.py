@@ -495,8 +495,8 @@ def share_with_accelerate(accelerator: Any) -> bool:
         partial.update(facts)
     full.clear()
     full.update(facts, fsdp_plugin=accelerator.state.fsdp_plugin, deepspeed_plugin=accelerator.state.deepspeed_plugin,
-                deepspeed_plugins=None, megatron_lm_plugin=None, dynamo_plugin=None, torch_tp_plugin=None,
-                parallelism_config=None, device_mesh=None)
+                deepspeed_plugins=None, megatron_lm_plugin=None, dynamo_plugin=accelerator.state.dynamo_plugin,
+                torch_tp_plugin=None, parallelism_config=None, device_mesh=None)
     return True
 
 
