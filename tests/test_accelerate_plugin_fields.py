@@ -306,17 +306,6 @@ def test_the_fsdp_peak_memory_examples_plugin_builds_and_is_named_once():
     assert "FullyShardedDataParallelPlugin(optim_state_dict_config=...)" in named[0]
 
 
-def test_a_script_that_imported_local_sgd_is_told_to_run_at_stage_0(monkeypatch):
-    import accelerate.local_sgd  # noqa: F401 (what local_sgd.py imports)
-
-    settings = read_accelerate_args({})
-    with pytest.warns(UserWarning, match=r"LocalSGD runs only on plain data parallel.*Run the script at stage 0"):
-        settle_with_config(settings, XShardConfig.load(None, overrides={"stage": 3}, env={}))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        settle_with_config(settings, XShardConfig.load(None, overrides={"stage": 0}, env={}))
-
-
 # ------------------------------------------------------------------ the doc
 
 
