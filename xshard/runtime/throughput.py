@@ -209,7 +209,7 @@ class ModelFlops:
         """Count ``module``'s parameters (whole sizes: ``full_numel`` of a shard) and read its config.
 
         Any model gets an answer: one that cannot be read has no estimate and says why."""
-        name = type(module).__name__
+        name = type(getattr(module, "_orig_mod", module)).__name__  # a torch.compile'd model: its own class
         try:
             seen: set[int] = set()
             params = 0
