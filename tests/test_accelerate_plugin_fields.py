@@ -306,6 +306,20 @@ def test_the_fsdp_peak_memory_examples_plugin_builds_and_is_named_once():
     assert "FullyShardedDataParallelPlugin(optim_state_dict_config=...)" in named[0]
 
 
+def test_an_accelerate_yamls_cpu_ram_efficient_loading_is_read_not_warned(tmp_path):
+    """The PEFT guide's FSDP yaml has fsdp_cpu_ram_efficient_loading: true (it was named as ignored, by the
+    launcher and again by rank 0)."""
+    from xshard.config.values import XShardConfigWarning
+
+    path = tmp_path / "fsdp.yaml"
+    path.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_cpu_ram_efficient_loading: true\n"
+                    "  fsdp_sync_module_states: false\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", XShardConfigWarning)
+        config = XShardConfig.load(str(path), env={})
+    assert config.sync_module_states is True  # Accelerate turns it on with cpu_ram_efficient_loading
+
+
 # ------------------------------------------------------------------ the doc
 
 
