@@ -125,7 +125,7 @@ def remove_stale_partials(target: Path) -> list[Path]:
     """Remove the partial files an ``atomic_path(target)`` of an earlier process left when it was killed (its
     ``.NAME.<pid>.tmp``, owned by this user, its pid no longer alive); returns what was removed. Another user's,
     or a live process's (a run writing it now), is left alone."""
-    removed = []
+    removed: list[Path] = []
     pattern = re.compile(rf"^\.{re.escape(target.name)}\.(\d+)\.tmp$")
     try:
         candidates = list(target.parent.iterdir()) if target.parent.is_dir() else []
