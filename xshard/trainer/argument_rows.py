@@ -61,17 +61,24 @@ ROWS: dict[str, Row] = {
             "dataloader_persistent_workers", "dataloader_prefetch_factor", "torch_empty_cache_steps", "data_seed",
             "full_determinism", "log_level", "log_level_replica", "log_on_each_node", "label_names",
             "tf32", "use_cache", "activation_checkpointing", "activation_checkpointing_kwargs", "remove_unused_columns",
-            "skip_memory_metrics", "save_only_model", "enable_jit_checkpoint"),
-    **_rows(_SCHEDULE, "read only by the Trainer's own evaluation with compute_metrics, which the run compares",
+            "enable_jit_checkpoint"),
+    "skip_memory_metrics": _same(f"{_OWN}: its memory report (on; the amounts vary from run to run and are not "
+                                 "compared)", _SCHEDULE),
+    "save_only_model": _same("checkpoint-N without the optimizer's rows (this run saves at step 3; the folders hold "
+                             "xshard's state)", _SCHEDULE),
+    **_rows(_SCHEDULE, f"{_OWN}, with a compute_metrics function (set in this run, which has none)",
             "include_for_metrics", "batch_eval_metrics", "eval_use_gather_object"),
-    **_rows(_SCHEDULE, "read by the script, not the Trainer (set here: the run is the stock one)",
-            "do_train", "do_eval", "do_predict", "resume_from_checkpoint"),
+    **_rows(_SCHEDULE, "read by scripts, not by the Trainer (set in this run)", "do_train", "do_eval", "do_predict"),
+    "resume_from_checkpoint": _same("the script passes it to train(): a stock Trainer's checkpoint resumes to the "
+                                    "stock run's losses", _RESUME),
     **_rows(_SCHEDULE, "used only with push_to_hub or report_to trackio, which the Trainer's own code runs on the "
                        "main process over the same folders; set here, no effect on either run",
             "run_name", "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
             "hub_model_id", "hub_strategy", "hub_private_repo", "hub_always_push", "hub_revision"),
-    **_rows(_SCHEDULE, f"{_OWN} (only for a resumed run)", "ignore_data_skip", "restore_callback_states_from_checkpoint"),
-    **_rows(_SCHEDULE, f"{_OWN} (only with train_sampling_strategy group_by_length)", "length_column_name"),
+    **_rows(_SCHEDULE, f"{_OWN} when resuming (set in this run, which does not resume)", "ignore_data_skip",
+            "restore_callback_states_from_checkpoint"),
+    **_rows(_SCHEDULE, f"{_OWN} with train_sampling_strategy group_by_length (set in this run, which samples "
+                       "sequentially)", "length_column_name"),
     **_rows(_OPTIMIZER, f"{_OWN}: its optimizer with decay groups, schedule, loss, checkpointing of the model",
             "optim", "optim_args", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "lr_scheduler_type",
             "label_smoothing_factor", "gradient_checkpointing", "gradient_checkpointing_kwargs",
