@@ -83,12 +83,6 @@ def _device_mapped() -> list[torch.nn.Module]:
     return models
 
 
-def _profiled(acc: Any) -> tuple[str, bool]:
-    with acc.profile() as profiler:
-        torch.ones(4).sum()
-    return type(profiler).__name__, len(profiler.key_averages()) > 0
-
-
 def _decorated(acc: Any) -> dict[str, Any]:
     runs = {"on_main_process": acc.on_main_process, "on_local_main_process": acc.on_local_main_process,
             "on_last_process": acc.on_last_process}
@@ -195,7 +189,6 @@ ACCELERATOR_SNIPPETS: dict[str, Snippet] = {
                                           acc.gather_for_metrics(torch.tensor([acc.process_index]))),
     "check_trigger": lambda acc, _: _trigger(acc),
     "save": lambda acc, folder: _saved(acc, folder),
-    "profile": lambda acc, _: _profiled(acc),
     "verify_device_map": lambda acc, _: [acc.verify_device_map(m) for m in _device_mapped()],
     "training": _training,
 }

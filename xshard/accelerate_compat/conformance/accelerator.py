@@ -15,6 +15,7 @@ REFUSED = "test_accelerate_conformance.py::test_every_refused_member_names_xshar
 SCRIPT = "test_accelerate_script.py::test_accelerate_and_xshard_give_the_same_run_in_one_process"
 NO_TRAINER = "test_no_trainer_script.py::test_no_trainer_script_gives_accelerates_losses_and_resumes_exactly"
 BEHAVIOUR = "test_accelerate_behaviour.py::test_sync_points_no_sync_window_clipping_and_scheduler_steps"
+PROFILE = "test_accelerate_profile.py::test_profile_writes_accelerates_trace_files_on_each_process"
 OPTIMIZER = ("test_accelerate_optimizer_surface.py::"
              "test_setting_gradient_accumulation_steps_mid_run_gives_accelerates_windows_and_losses")
 
@@ -64,7 +65,7 @@ ACCELERATOR_ROWS: dict[str, Row] = {
             "optimizer_step_was_skipped", "no_sync", "trigger_sync_in_backward", "autocast", "join_uneven_inputs",
             "unwrap_model", "free_memory", "clear"),
     "step": Row("different", "optimizer steps taken (Accelerate counts micro-steps in a window)", MEMBERS),
-    "profile": _same("torch.profiler over the block, from ProfileKwargs"),
+    "profile": _same("torch.profiler over the block, from ProfileKwargs (trace files as Accelerate's)", PROFILE),
     "verify_device_map": _same("True for a model loaded over several devices (hf_device_map)"),
     "skip_first_batches": Row("different", "a position in the epoch: after load_state restored it, skipping to "
                                            "the same batch skips nothing more", MEMBERS),
