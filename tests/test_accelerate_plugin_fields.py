@@ -306,6 +306,17 @@ def test_the_fsdp_peak_memory_examples_plugin_builds_and_is_named_once():
     assert "FullyShardedDataParallelPlugin(optim_state_dict_config=...)" in named[0]
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_accelerates_fsdp2_plugin_offloads_only_when_asked(offload):
+    """FSDP2's plugin fills cpu_offload with an OffloadPolicy (no offload) or a CPUOffloadPolicy."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Accelerate's own FSDP2 notes
+        plugin = accelerate_utils.FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=offload)
+    settings = read_accelerate_args({"fsdp_plugin": plugin})
+    assert (settings.overrides["offload_params"], settings.overrides["offload_optimizer"]) == (offload, offload)
+    assert settings.ignored == []
+
+
 def test_an_accelerate_yamls_cpu_ram_efficient_loading_is_read_not_warned(tmp_path):
     """The PEFT guide's FSDP yaml has fsdp_cpu_ram_efficient_loading: true (it was named as ignored, by the
     launcher and again by rank 0)."""

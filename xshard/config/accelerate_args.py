@@ -296,6 +296,16 @@ def _wrap_policy(plugin: Any, options: dict[str, Any], out: AccelerateSettings) 
         options["min_num_params"] = keywords["min_num_params"]
 
 
+def _offloads(offload: Any) -> bool:
+    """``cpu_offload``: a bool, FSDP1's ``CPUOffload(offload_params=)``, or FSDP2's policy (``CPUOffloadPolicy``
+    offloads, the plain ``OffloadPolicy`` Accelerate's FSDP2 plugin fills in does not)."""
+    if isinstance(offload, bool):
+        return offload
+    if hasattr(offload, "offload_params"):
+        return bool(offload.offload_params)
+    return any(cls.__name__ == "CPUOffloadPolicy" for cls in type(offload).__mro__)
+
+
 def _mixed_precision_policy(policy: Any, out: AccelerateSettings) -> None:
     """FSDP's MixedPrecision (an object, a dict or a name): param_dtype -> mixed_precision, reduce_dtype ->
     reduce_dtype; a buffer_dtype other than param_dtype is named in the warning (buffers follow param_dtype)."""
@@ -329,7 +339,7 @@ def _fsdp_plugin(plugin: Any, out: AccelerateSettings) -> None:
     out.ignored.extend(ignored_field_notes(plugin, _FSDP))
     offload = getattr(plugin, "cpu_offload", None)
     if offload is not None:
-        options["offload_params"] = bool(getattr(offload, "offload_params", offload))
+        options["offload_params"] = _offloads(offload)
     reading = Reading("fsdp_plugin")
     read_fsdp_options(reading, options, "fsdp_plugin", numeric=True)
     out.overrides.update(reading.values)
