@@ -151,8 +151,15 @@ def _setter(library: str, stage: int) -> dict:
 def _optimizer_members(library: str, stage: int) -> dict:
     acc = _accelerator(library, stage, gradient_accumulation_steps=2)
     net = Net()
-    model, opt, loader = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), _loader(8))
-    out: dict = {}
+    users = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    model, opt, loader = acc.prepare(net, users, _loader(8))
+    out: dict = {"wrapped": (opt.optimizer is users, opt.scaler, opt.device_placement)}
+    out["state_members"] = {}
+    for name in ("accelerator_state", "gradient_state"):  # Accelerate's singletons; xshard names the Accelerator's
+        try:
+            out["state_members"][name] = type(getattr(opt, name)).__name__
+        except AttributeError as exc:
+            out["state_members"][name] = str(exc)
     opt.param_groups[0]["lr"] = 0.05  # a schedule written by hand reaches the user's optimizer
     out["lr_reaches_optimizer"] = opt.optimizer.param_groups[0]["lr"] == 0.05
     out["defaults"] = (opt.defaults["lr"], opt.defaults["momentum"])
@@ -198,7 +205,13 @@ def _scheduler_members(library: str, stage: int) -> dict:
         opt.step()
         sched.step()
         opt.zero_grad()
-    out = {"last_lr": sched.get_last_lr(), "state": sched.state_dict()["last_epoch"]}
+    out = {"last_lr": sched.get_last_lr(), "state": sched.state_dict()["last_epoch"],
+           "wrapped": (sched.scheduler.optimizer is opt.optimizer, [o is opt for o in sched.optimizers],
+                       sched.split_batches, sched.step_with_optimizer)}
+    try:
+        out["gradient_state"] = type(sched.gradient_state).__name__
+    except AttributeError as exc:
+        out["gradient_state"] = str(exc)
     with warnings.catch_warnings():  # torch's "To get the last learning rate computed by the scheduler ..."
         warnings.simplefilter("ignore")
         out["lr"] = sched.get_lr()
@@ -257,6 +270,13 @@ def test_the_prepared_optimizers_members_reach_the_users_optimizer_as_in_acceler
         for rank in (0, 1):
             reference, got = dict(runs["accelerate"][rank]["optimizer"]), dict(runs[ours][rank]["optimizer"])
             accelerate_hooks, hooks = reference.pop("hooks"), got.pop("hooks")
+            assert reference.pop("state_members") == {"accelerator_state": "AcceleratorState",
+                                                      "gradient_state": "GradientState"}
+            assert got.pop("state_members") == {
+                name: f"PreparedOptimizer.{name} is Accelerate's; the prepared objects do not hold the Accelerator's "
+                      f"state: read {where}"
+                for name, where in (("accelerator_state", "accelerator.state"),
+                                    ("gradient_state", "accelerator.gradient_state"))}
             if ours == "xshard3":  # this rank's shards: other gradient sums, the same gating
                 reference.pop("grads_after_zero_grad"), got.pop("grads_after_zero_grad")
             assert got == reference, ours
@@ -271,7 +291,12 @@ def test_the_prepared_optimizers_members_reach_the_users_optimizer_as_in_acceler
 def test_the_prepared_schedulers_members_answer_as_accelerates(runs):
     for ours in ("xshard0", "xshard3"):
         for rank in (0, 1):
-            reference, got = runs["accelerate"][rank]["scheduler"], runs[ours][rank]["scheduler"]
+            reference = dict(runs["accelerate"][rank]["scheduler"])
+            got = dict(runs[ours][rank]["scheduler"])
+            assert reference.pop("gradient_state") == "GradientState"
+            assert got.pop("gradient_state") == ("PreparedScheduler.gradient_state is Accelerate's; the prepared "
+                                                 "objects do not hold the Accelerator's state: read "
+                                                 "accelerator.gradient_state")
             assert got == reference, ours
     assert runs["xshard0"][0]["scheduler"]["print_lr"].startswith("AttributeError")
 

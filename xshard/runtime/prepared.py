@@ -91,6 +91,16 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.optimizer.defaults = value
 
     @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The job's fp16 grad scaler that steps this optimizer, or None (Accelerate's ``scaler``)."""
+        return self.job.scaler
+
+    @property
+    def device_placement(self) -> bool:
+        """Always True: the optimizer's state lives where its parameters (or their shards) do."""
+        return True
+
+    @property
     def step_was_skipped(self) -> bool:
         """True after an fp16 step skipped for inf/nan gradients (every rank agrees), as Accelerate's."""
         return self._skipped
@@ -196,6 +206,23 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"PreparedOptimizer({self.optimizer!r})"
 
+    if not TYPE_CHECKING:  # hidden from the type checker, so that a misspelt member is an error there
+        def __getattr__(self, name: str) -> Any:
+            raise _missing(self, name)
+
+
+#: Accelerate's members of its wrappers that hold Accelerate's state singletons -> where xshard answers them
+_STATE_MEMBERS = {"accelerator_state": "accelerator.state", "gradient_state": "accelerator.gradient_state"}
+
+
+def _missing(wrapper: object, name: str) -> AttributeError:
+    """The error for a member the prepared object lacks; Accelerate's state members name the Accelerator's."""
+    kind = type(wrapper).__name__
+    if name in _STATE_MEMBERS:
+        return AttributeError(f"{kind}.{name} is Accelerate's; the prepared objects do not hold the Accelerator's "
+                              f"state: read {_STATE_MEMBERS[name]}")
+    return AttributeError(f"{kind!r} object has no attribute {name!r}")
+
 
 #: this process's prepared optimizers by pickling token (weak: a dropped optimizer is forgotten)
 _LIVE_OPTIMIZERS: weakref.WeakValueDictionary[str, PreparedOptimizer] = weakref.WeakValueDictionary()
@@ -209,6 +236,16 @@ class PreparedScheduler:
         #: the prepared optimizers this schedule follows (its own, else every prepared one)
         self.optimizers = optimizers
         self.job = job
+
+    @property
+    def split_batches(self) -> bool:
+        """A loader's batch is the global batch: the schedule steps once per optimizer step."""
+        return self.job.split_batches
+
+    @property
+    def step_with_optimizer(self) -> bool:
+        """The schedule follows the optimizer's steps (``step_scheduler_with_optimizer``), else every call."""
+        return self.job.step_scheduler_with_optimizer
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Advance the schedule as Accelerate's ``AcceleratedScheduler.step`` does."""
@@ -248,4 +285,6 @@ class PreparedScheduler:
 
     if not TYPE_CHECKING:  # the scheduler's other members at run time; the type checker sees only the above
         def __getattr__(self, name: str) -> Any:
+            if name in _STATE_MEMBERS or "scheduler" not in self.__dict__:
+                raise _missing(self, name)
             return getattr(self.__dict__["scheduler"], name)

@@ -1,7 +1,8 @@
 """The prepared optimizer and LR scheduler against Accelerate's ``AcceleratedOptimizer`` and ``AcceleratedScheduler``.
 
 One ``Row`` per public member of the installed classes (what ``dir()`` gives without a leading underscore,
-torch's inherited members included); xshard's classes are ``xshard.runtime.prepared``'s.
+torch's inherited members included, and the attributes a prepared instance holds); xshard's classes are
+``xshard.runtime.prepared``'s.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ _TORCH_MEMBERS = _SURFACE + "test_torchs_class_members_of_the_prepared_optimizer
 _SCHEDULE_FREE = _SURFACE + "test_a_schedule_free_optimizers_train_and_eval_give_accelerates_losses"
 _WINDOWS = _SURFACE + "test_setting_gradient_accumulation_steps_mid_run_gives_accelerates_windows_and_losses"
 _SCHEDULER = _SURFACE + "test_the_prepared_schedulers_members_answer_as_accelerates"
+_STATE = "the prepared objects do not hold the Accelerator's state: an AttributeError naming {where}"
 _HOOK = ("registered on your optimizer, {when} (Accelerate 1.15 raises AttributeError here: its wrapper skips "
          "torch's __init__)")
 
@@ -37,12 +39,17 @@ OPTIMIZER_ROWS: dict[str, Row] = {
                      "optimizer whose zero_grad lacks it", _MEMBERS),
     "step_was_skipped": Row("same", "True after an fp16 step skipped for inf/nan gradients (all ranks agree)",
                             _MEMBERS),
-    "register_step_pre_hook": Row("same", _HOOK.format(when="runs before each real step"), _MEMBERS),
-    "register_step_post_hook": Row("same", _HOOK.format(when="runs after each real step"), _MEMBERS),
-    "register_state_dict_pre_hook": Row("same", _HOOK.format(when="runs in state_dict()"), _MEMBERS),
-    "register_state_dict_post_hook": Row("same", _HOOK.format(when="runs in state_dict()"), _MEMBERS),
-    "register_load_state_dict_pre_hook": Row("same", _HOOK.format(when="runs in load_state_dict()"), _MEMBERS),
-    "register_load_state_dict_post_hook": Row("same", _HOOK.format(when="runs in load_state_dict()"), _MEMBERS),
+    "optimizer": Row("same", "your optimizer (its parameters are the shards at stages 1-3)", _MEMBERS),
+    "scaler": Row("same", "the job's fp16 grad scaler, or None", _MEMBERS),
+    "device_placement": Row("same", "True: the state lives where its parameters (or shards) do", _MEMBERS),
+    "accelerator_state": Row("refused", _STATE.format(where="accelerator.state"), _MEMBERS),
+    "gradient_state": Row("refused", _STATE.format(where="accelerator.gradient_state"), _MEMBERS),
+    "register_step_pre_hook": Row("different", _HOOK.format(when="runs before each real step"), _MEMBERS),
+    "register_step_post_hook": Row("different", _HOOK.format(when="runs after each real step"), _MEMBERS),
+    "register_state_dict_pre_hook": Row("different", _HOOK.format(when="runs in state_dict()"), _MEMBERS),
+    "register_state_dict_post_hook": Row("different", _HOOK.format(when="runs in state_dict()"), _MEMBERS),
+    "register_load_state_dict_pre_hook": Row("different", _HOOK.format(when="runs in load_state_dict()"), _MEMBERS),
+    "register_load_state_dict_post_hook": Row("different", _HOOK.format(when="runs in load_state_dict()"), _MEMBERS),
 }
 
 #: ``accelerate.scheduler.AcceleratedScheduler``'s public members -> what the prepared scheduler does
@@ -54,6 +61,12 @@ SCHEDULER_ROWS: dict[str, Row] = {
     "get_lr": Row("same", "your scheduler's", _SCHEDULER),
     "state_dict": Row("same", "your scheduler's", _SCHEDULER),
     "load_state_dict": Row("same", "into your scheduler", _SCHEDULER),
+    "scheduler": Row("same", "your scheduler", _SCHEDULER),
+    "optimizers": Row("same", "the prepared optimizers it follows", _SCHEDULER),
+    "split_batches": Row("same", "the Accelerator's split_batches (one schedule step per optimizer step)",
+                         _SCHEDULER),
+    "step_with_optimizer": Row("same", "the Accelerator's step_scheduler_with_optimizer", _SCHEDULER),
+    "gradient_state": Row("refused", _STATE.format(where="accelerator.gradient_state"), _SCHEDULER),
     "print_lr": Row("same", "your scheduler's (torch's schedulers have none: AttributeError, as in Accelerate)",
                     _SCHEDULER),
 }
