@@ -60,7 +60,13 @@ OPTIMIZER_AND_LOSS = [
     "--average_tokens_across_devices", "false", "--neftune_noise_alpha", "5", "--logging_steps", "1",
     "--optim_args", "unused=1", "--debug", "underflow_overflow", "--auto_find_batch_size", "true",
 ]
-CASES = {"schedule_evaluation_logging": SCHEDULE_EVALUATION_LOGGING, "optimizer_and_loss": OPTIMIZER_AND_LOSS}
+# the stock Trainer keeps fp32 parameters under autocast; xshard's stage-3 core gathers fp16 compute copies (FSDP's
+# param_dtype) and autocasts too: losses agree to 6e-5 and gradient norms to 3e-4 (measured), not to the last bit
+FP16 = ["--max_steps", "4", "--per_device_train_batch_size", "4", "--logging_steps", "1", "--fp16", "true",
+        "--use_cpu", "true"]
+CASES = {"schedule_evaluation_logging": SCHEDULE_EVALUATION_LOGGING, "optimizer_and_loss": OPTIMIZER_AND_LOSS,
+         "fp16_mixed_precision": FP16}
+TOLERANCE = {"fp16_mixed_precision": 1e-3}
 # timings and memory vary from run to run; xshard's training lines also carry its throughput (mfu, tflops)
 _TIMINGS = ("runtime", "per_second", "_mem_", "model_preparation_time", "mfu", "tflops")
 
@@ -76,17 +82,17 @@ def _run(trainer: str, model: Path, out: Path, extra: list[str]) -> dict[str, An
     return {"log": logged, "eval": json.loads((out / "eval_results.json").read_text())}
 
 
-def _same(ours: Any, stock: Any, where: str) -> None:
+def _same(ours: Any, stock: Any, where: str, rel: float = 1e-5) -> None:
     if isinstance(stock, dict):
         assert sorted(ours) == sorted(stock), where
         for key in stock:
-            _same(ours[key], stock[key], f"{where}.{key}")
+            _same(ours[key], stock[key], f"{where}.{key}", rel)
     elif isinstance(stock, list):
         assert len(ours) == len(stock), where
         for i, (a, b) in enumerate(zip(ours, stock, strict=True)):
-            _same(a, b, f"{where}[{i}]")
+            _same(a, b, f"{where}[{i}]", rel)
     elif isinstance(stock, float):
-        assert ours == pytest.approx(stock, rel=1e-5, abs=1e-7), where
+        assert ours == pytest.approx(stock, rel=rel, abs=1e-7), where
     else:
         assert ours == stock, where
 
@@ -96,7 +102,7 @@ def test_the_trainers_own_arguments_give_the_stock_run(tiny_model, tmp_path, cas
     stock, ours = side_by_side(lambda: _run("stock", tiny_model, tmp_path / "stock", CASES[case]),
                                lambda: _run("xshard", tiny_model, tmp_path / "xshard", CASES[case]))
     assert len(stock["log"]) > 3
-    _same(ours, stock, case)
+    _same(ours, stock, case, TOLERANCE.get(case, 1e-5))
 
 
 def test_arguments_that_need_what_is_not_installed_fail_as_on_the_stock_trainer(tmp_path):

@@ -102,8 +102,11 @@ ROWS: dict[str, Row] = {
     "use_cpu": _same("the cpu backend", _SAME_CONFIG),
     "bf16": _same("mixed precision where the backend computes in bf16 (CPUs too); else one warning and fp32",
                   "test_trainer_arguments.py::test_bf16_on_a_cpu_is_mixed_precision"),
-    "fp16": _same("mixed precision with the grad scaler where the backend computes in fp16; else one warning and fp32",
-                  "test_trainer_arguments.py::test_bf16_where_the_device_cannot_is_fp32_with_one_warning"),
+    "fp16": _same("mixed precision with the grad scaler where the backend computes in fp16 (the stock run to "
+                  "1e-3: stage 3 computes with fp16 copies of the parameters, as FSDP's param_dtype); else one "
+                  "warning and fp32",
+                  "test_trainer_arguments_parity.py::test_the_trainers_own_arguments_give_the_stock_run"
+                  "[fp16_mixed_precision]"),
     "fsdp": _same("the FSDP words: stage 3, 2, 0, hybrid sharding, offload",
                   "test_trainer_arguments.py::test_fsdp_words"),
     "fsdp_config": _same("units, prefetch, state_dict_type, activation checkpointing; XLA FSDP's keys",
