@@ -70,7 +70,7 @@ def test_accelerate_arguments_are_honoured(tmp_path):
         mixed_precision="bf16", cpu=True, project_dir=str(tmp_path), log_with=["tensorboard"],
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4, adjust_scheduler=False,
                                                                 sync_with_dataloader=False, sync_each_batch=True),
-        dataloader_config=DataLoaderConfiguration(split_batches=True, data_seed=11),
+        dataloader_config=DataLoaderConfiguration(split_batches=True, use_seedable_sampler=True, data_seed=11),
         step_scheduler_with_optimizer=False,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=__import__("datetime").timedelta(seconds=99)),
                          AutocastKwargs(enabled=False)],

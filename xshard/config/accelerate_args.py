@@ -205,6 +205,10 @@ def _dataloader_config(config: Any, out: AccelerateSettings) -> None:
     seed = getattr(config, "data_seed", None)
     if seed is not None:
         out.data_seed = parse_int("dataloader_config.data_seed", seed, 0)
+        if not out.use_seedable_sampler:  # Accelerate reads it only for its seedable sampler
+            out.ignored.append(f"dataloader_config.data_seed={seed} without use_seedable_sampler=True (as in "
+                               "Accelerate, a plain shuffle then draws its order from torch's RNG; pass "
+                               "use_seedable_sampler=True to shuffle from this seed)")
     if getattr(config, "non_blocking", False):
         out.non_blocking = True
 

@@ -18,6 +18,8 @@ WARNED = f"{_FIELDS_TEST}::test_each_warned_field_set_is_named_in_exactly_one_wa
 NEED_NOTHING = f"{_FIELDS_TEST}::test_fields_that_need_nothing_are_accepted_without_a_warning"
 HONOURED = f"{_FIELDS_TEST}::test_honoured_fields_reach_the_config_and_the_job"
 _COMPAT = "test_accelerate_compat.py::test_accelerate_arguments_are_honoured"
+_ORDER = ("test_data_accelerate_protocol.py::"
+          "test_a_plain_shuffle_after_set_seed_is_accelerates_order_and_leaves_the_rng_where_accelerate_does")
 _FSDP_COMPAT = "test_accelerate_compat.py::test_fsdp_plugin_maps_onto_the_config_and_state_describes_it"
 _COMM_HOOK = "test_ddp_comm_hook.py::test_comm_hooks_at_stage_0_give_stock_accelerates_losses_and_weights"
 _PROFILE = "test_accelerate_profile.py::test_profile_writes_accelerates_trace_files_on_each_process"
@@ -99,8 +101,9 @@ PLUGIN_ROWS: dict[str, dict[str, Row]] = {
     }),
     "DataLoaderConfiguration": _table("DataLoaderConfiguration", {
         "split_batches": _same("the loader's batch is the global batch, divided over the processes", _COMPAT),
-        "use_seedable_sampler": _same("a plain shuffle's order from one seed and the epoch"),
-        "data_seed": _same("the shuffle seed", _COMPAT),
+        "use_seedable_sampler": _same("a plain shuffle's order from one seed and the epoch (else Accelerate's default "
+                                      "order, from torch's RNG)", _ORDER),
+        "data_seed": _same("the seedable sampler's seed (with use_seedable_sampler=True, as in Accelerate)", _COMPAT),
         "non_blocking": _same("batches moved to the device with non_blocking"),
         "use_stateful_dataloader": _same("prepared loaders always save and restore their position", NEED_NOTHING),
     }),
