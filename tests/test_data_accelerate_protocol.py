@@ -249,3 +249,23 @@ def test_an_accelerate_checkpoint_of_a_stateful_loader_resumes_where_accelerate_
                                 lambda: _run("xshard", tmp_path, "default", 0, "--stateful", "--resume", folder))
     assert len(theirs["losses"]) == 18 - 3
     _same(ours, theirs)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("n,batch,drop_last", [(22, 3, False), (24, 4, False), (22, 3, True)])
+def test_remainder_is_accelerates_samples_in_the_last_global_batch(world, n, batch, drop_last):
+    from accelerate.data_loader import prepare_data_loader
+
+    def seen(loader) -> list[int]:
+        out = [loader.remainder]  # before any pass
+        for _ in loader:
+            out.append(loader.remainder)
+        return out
+
+    def build() -> DataLoader:
+        return DataLoader(TensorDataset(torch.arange(n)), batch_size=batch, drop_last=drop_last)
+
+    ours = seen(shard_data_loader(build(), CPU, world, 0))
+    theirs = seen(prepare_data_loader(build(), num_processes=world, process_index=0, put_on_device=False,
+                                      dispatch_batches=False, even_batches=True))
+    assert ours == theirs

@@ -418,13 +418,9 @@ class GradientState:
 
     @property
     def remainder(self) -> int:
-        """Samples of the last global batch that are real (-1: unknown length, or a loader that drops its last
-        batch), as Accelerate counts."""
+        """The active loader's ``remainder`` (-1 outside a loader), as Accelerate's."""
         loader = self._job.active_loader()
-        if loader is None or loader.sampler is None or loader.sampler.source.drop_last:
-            return -1
-        total = (loader.batch_size or 1) * self._job.world_size
-        return loader.sampler.length % total
+        return -1 if loader is None else loader.remainder
 
 
 _warned: set[str] = set()

@@ -259,6 +259,26 @@ class ShardedDataLoader(AccelerateLoaderMembers):
         """True while the pass's last batch is in use (Accelerate's name for ``end_of_epoch``)."""
         return self.end_of_epoch
 
+    @property
+    def remainder(self) -> int:
+        """Samples in the epoch's last global batch (the dataset's length modulo ``total_batch_size``), once a
+        pass has started; -1 before, for a loader that drops its last batch, or of unknown length: Accelerate's
+        ``remainder``."""
+        drop_last = self.sampler.source.drop_last if self.sampler is not None else self.loader.drop_last
+        total = self.total_batch_size
+        if not self._passes or drop_last or not total:
+            return -1
+        try:
+            return int(getattr(self.dataset, "total_length", None) or len(self.dataset)) % total
+        except TypeError:  # a stream without a length
+            return -1
+
+    @property
+    def skip_batches(self) -> int:
+        """Batches of the epoch the next pass skips (a position ``load_state_dict`` or ``skip_first_batches``
+        set), Accelerate's ``skip_batches``."""
+        return self._resume_at or 0
+
     def resume_at(self, num_batches: int) -> None:
         """The next pass resumes the current epoch after its first ``num_batches`` batches (not before the
         position ``load_state_dict`` restored, if one is pending), drawing the epoch's order again."""
@@ -471,6 +491,11 @@ class _SkipFirst:
 
     def __len__(self) -> int:
         return max(0, len(self.loader) - self.num_batches)
+
+    @property
+    def skip_batches(self) -> int:
+        """The batches this pass skips."""
+        return self.num_batches
 
     def __iter__(self) -> Iterator[Any]:
         self.loader.resume_at(self.num_batches)
