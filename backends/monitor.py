@@ -48,6 +48,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from .bounded_store import BoundedStore, StoreFailed, StoreUnreachable
@@ -69,6 +70,16 @@ STOP_WAIT_S = 2.0
 PATIENCE = 2.5 * HEARTBEAT
 #: the largest job whose ranks learn every peer's host at the start, and how many beats they try
 LEARN_UP_TO, LEARN_TRIES = 64, 30
+
+#: how long the main thread waits in a collective before the monitor asks whether a peer issued another one there
+EARLY_LOOK_S = 3.0
+#: what to do about ranks that issue different collectives
+MISMATCH_HINT = (
+    "Every rank must run the same sharded units in the same order: a branch chosen by the data (or by "
+    "the rank) that runs a unit on some ranks only mixes up their gradients. Keep such branches inside "
+    "one unit (e.g. make their parent module the unit with transformer_layer_cls_to_wrap), or use stage "
+    "0, which allows them; to run the model on one rank alone (e.g. generate() on rank 0), enter "
+    "model.summon_full_params() on every rank first.")
 
 #: every monitor of this process whose thread runs (each thread holds its monitor while it runs)
 _running: weakref.WeakSet[CollectiveMonitor] = weakref.WeakSet()
@@ -109,6 +120,7 @@ class CollectiveMonitor:
         self._beat = 0
         self._host = socket.gethostname()
         self._diagnosed_for: int | None = None
+        self._compared_waits_at = 0.0
         self._diagnosed_dead = False
         #: the peers' entries as last read (their hosts and pids, learnt at the start: a lost store still has names)
         self._known: dict[int, dict[str, Any]] = {}
@@ -116,6 +128,11 @@ class CollectiveMonitor:
         #: (collective number, monotonic time, the peers' beats) read ``PATIENCE`` before the deadline
         self._snapshot: tuple[int, float, dict[int, Any]] | None = None
         self.crashed: str | None = None
+        #: work the monitor's thread does at every beat, after publishing (the collectives agreement check:
+        #: ``collectives/agreement.py``); each may make store calls
+        self.beat_work: list[Callable[[], None]] = []
+        #: the ranks' collectives differ (the agreement check's message): a wait that fails says so
+        self.mismatch: str | None = None
         self._stop = threading.Event()
         try:
             self._publish()  # at once: a rank that dies before the thread's first beat is still known by its pid
@@ -143,6 +160,37 @@ class CollectiveMonitor:
         # a call to a store that answers ends soon; one that does not, never (its thread is left in it)
         self.store.close(0.0 if self.store.silent_for else STOP_WAIT_S)
         _running.discard(self)
+
+    def report_mismatch(self, message: str) -> None:
+        """The ranks' collectives differ (``message``, found by the monitor's thread): log it once, and where
+        the main thread waits in a collective (one that may never complete, the ranks' sequences differing),
+        say so: the wait, when it fails, raises the mismatch."""
+        if self.mismatch is not None:
+            return
+        self.mismatch = message
+        number, description, waiting, since = self.state
+        if waiting:
+            log.error("rank %d waits in collective #%d (%s) since %.0f s, and the ranks' collectives differ: %s",
+                      self.rank, number, description, time.time() - since, message)
+            self.write_flight(f"the ranks' collectives differ: {message}")
+        else:
+            log.error("rank %d: %s", self.rank, message)
+
+    def _compare_waits(self, number: int, description: str) -> None:
+        """This rank waits in collective ``number``: if the reference peer (rank 0; rank 1 for rank 0) issued a
+        different collective under that number, neither can complete: name it now, not at the deadline.
+        One store read every ``HEARTBEAT`` of a wait that lasts ``EARLY_LOOK_S`` or more."""
+        peer = 1 if self.rank == 0 else 0
+        key = _KEY.format(rank=peer)
+        text = self.store.run(lambda store: store.get(key) if store.check([key]) else None)
+        entry = json.loads(text) if text is not None else None
+        if entry is None or entry["number"] != number or entry["description"] == description:
+            return
+        message = (f"ranks issued different collectives: at collective #{number} of the job, rank {self.rank} issued "
+                   f"{description!r} and rank {peer} {entry['description']!r}, which cannot complete each other. "
+                   + MISMATCH_HINT)
+        self._diagnosed_for, self._diagnosed_dead, self.diagnosis = number, False, message
+        self.report_mismatch(message)
 
     def publish_crash(self, error: BaseException) -> None:
         """This rank ends with ``error``: say so in its entry, so that its peers name it crashed, with why."""
@@ -204,14 +252,20 @@ class CollectiveMonitor:
                 self._publish()
                 self._learn_peers()
                 self._answer_flight_request()
+                for work in self.beat_work:
+                    work()
             except StoreUnreachable:  # cut off: keep watching the deadline, whose message says so
                 pass
             except StoreFailed as exc:  # the store went away (job ending): stop quietly
                 log.debug("collective monitor stops: %s", exc)
                 return
             try:
-                number, _, waiting, since = self.state
+                number, description, waiting, since = self.state
                 waited = time.time() - since
+                if (waiting and waited >= EARLY_LOOK_S and self.mismatch is None
+                        and time.monotonic() - self._compared_waits_at >= HEARTBEAT):
+                    self._compared_waits_at = time.monotonic()
+                    self._compare_waits(number, description)
                 if waiting and waited >= self.deadline - PATIENCE and (self._snapshot is None
                                                                        or self._snapshot[0] != number):
                     self._snapshot = (number, time.monotonic(), self._beats(self._read_entries()))

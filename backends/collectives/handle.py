@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
-from ...errors import CollectiveTimeoutError, RankDiedError
+from ...errors import CollectiveMismatchError, CollectiveTimeoutError, RankDiedError
 from ..flight_recorder import FlightEntry
 from ..monitor import CollectiveMonitor
 
@@ -92,6 +92,10 @@ class Handle:
                 if monitor is None:
                     raise
                 reported = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                if monitor.mismatch is not None:  # why this wait could not complete: the ranks' collectives differ
+                    raise CollectiveMismatchError(f"{monitor.mismatch} (this rank then waited in collective "
+                                                  f"#{self._label[0]}, {self._label[1]}; the process group "
+                                                  f"reported: {reported})") from exc
                 died, message = monitor.explain_failure(reported)
                 kind = RankDiedError if died else CollectiveTimeoutError
                 raise kind(f"{message} (the process group reported: {reported})") from exc

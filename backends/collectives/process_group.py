@@ -5,12 +5,14 @@ reduce-scatter and all-gather are slow; see ``backends/cpu.py`` and ``benchmarks
 the reduce-scatter forms (``REDUCE_SCATTER_FORMS``), all-gather as broadcasts, and, for the list forms,
 each large tensor moved in place while the small ones travel packed (``PACK_BELOW_BYTES``), whose cost
 on gloo is the round trip of an operation, not their bytes. ``verify_same_collectives`` compares the
-ranks' traces with one tiny all-reduce and reads their entries through the job's key-value store.
+ranks' traces: at the first optimizer step with one tiny all-reduce, later off the training path
+(``agreement.py``), the entries of a mismatch read through the job's key-value store.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
@@ -20,12 +22,15 @@ import torch.distributed as dist
 from ...errors import CollectiveMismatchError
 from ..monitor import CollectiveMonitor
 from .accounting import _nbytes
+from .agreement import CollectiveAgreement, check_every_step
 from .handle import Handle, Output
 from .interface import Collectives
 from .trace import _MISMATCH_HINT, describe_mismatch
 
 if TYPE_CHECKING:
     from torch.distributed import Work  # a process group's in-flight operation
+
+log = logging.getLogger("xshard.backends")
 
 #: the ways ``DistCollectives`` can do a reduce-scatter (its ``reduce_scatter_form``)
 ReduceScatterForm: TypeAlias = Literal["native", "all_reduce", "reduce", "exchange"]
@@ -115,8 +120,15 @@ class DistCollectives(Collectives):
         self.group = group
         self.device = torch.device(device)
         self._checks = 0
+        #: compares the ranks' collectives off the training path (where the job has a collective monitor)
+        self.agreement: CollectiveAgreement | None = None
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self._every_step = check_every_step() and group is None
+        if self._every_step and self.rank == 0:
+            log.warning("XSHARD_CHECK_COLLECTIVES=every-step: every optimizer step compares the ranks' collectives "
+                        "with a blocking all-reduce, so the host waits for the device at each step; unset it "
+                        "for full speed (the check then runs off the training path)")
         self.native_avg = native_avg
         if reduce_scatter_form not in REDUCE_SCATTER_FORMS:
             raise ValueError(f"reduce_scatter_form {reduce_scatter_form!r} is not one of {REDUCE_SCATTER_FORMS}")
@@ -131,6 +143,7 @@ class DistCollectives(Collectives):
             if store is not None:
                 self.monitor = CollectiveMonitor(store, self.rank, self.world_size, timeout=timeout,
                                                  flight=self.flight)
+                self.agreement = CollectiveAgreement(self.monitor, self.rank, self.world_size)
 
     def _dist_op(self, op: str) -> tuple[dist.ReduceOp.RedOpType, float | None]:
         """The process-group op and the divisor to apply afterwards (SUM-then-divide for AVG)."""
@@ -277,17 +290,34 @@ class DistCollectives(Collectives):
         return Handle([dist.barrier(group=self.group, async_op=True)], None)
 
     def verify_same_collectives(self) -> None:
-        """Compare every rank's (count, fingerprint) since the last check with one all-reduce (max of
-        the values and of their negations); on a difference, raise ``CollectiveMismatchError`` on every
-        rank, naming the first collective where the ranks differ (entries exchanged through the job's
-        key-value store). Not counted in the byte counter: it is control traffic.
+        """Check that every rank issued the same collectives since the last check; on a difference, raise
+        ``CollectiveMismatchError`` on every rank, naming the first collective where the ranks differ.
+
+        The first check (the first optimizer step) and, under ``XSHARD_CHECK_COLLECTIVES=every-step``, every
+        check compare at once, with one all-reduce whose result the host reads (it waits for the device).
+        Every later one only hands the step's record to the collective monitor's thread, which compares
+        the ranks' records through the job's store off the training path; a mismatch it found is raised
+        here, at the next check (``agreement.py``: why, and how soon). Not counted in the byte counter.
         """
+        self._checks += 1
+        agreement = self.agreement
+        if agreement is not None:
+            agreement.raise_if_mismatched()
+        if self._checks == 1 or self._every_step:
+            self._verify_now()
+        elif agreement is not None:
+            agreement.close_step(self._checks, *self.trace.take())
+        else:  # no monitor (XSHARD_MONITOR=0, or no store): the first step was checked, the rest is not
+            self.trace.reset()
+
+    def _verify_now(self) -> None:
+        """Compare every rank's (count, fingerprint) since the last check with one all-reduce (max of the values
+        and of their negations), the store giving the entries for the message."""
         trace = self.trace
         mine = [float(trace.count), float(trace.fingerprint & 0xFFFFFF)]  # exact in fp32
         probe = torch.tensor(mine + [-v for v in mine], dtype=torch.float32, device=self.device)
         self._all_reduce(probe, "max").wait()
         high, low = probe[:2].tolist(), [-v for v in probe[2:].tolist()]
-        self._checks += 1
         if high == low:
             trace.reset()
             return

@@ -12,6 +12,8 @@ import zlib
 from collections import deque
 from typing import Any
 
+from ..monitor import MISMATCH_HINT
+
 
 class CollectiveTrace:
     """What this process issued since the last ``reset``: a count, a fingerprint, the latest entries.
@@ -37,18 +39,31 @@ class CollectiveTrace:
         self.fingerprint = 0
         self.entries.clear()
 
+    def take(self) -> tuple[int, int, deque[str]]:
+        """(count, fingerprint, the kept entries) since the last reset, then start anew.
+
+        The entries leave with the caller (a fresh deque replaces them), so a step's list can be
+        kept for a mismatch message without copying it on the training path (``number`` them later).
+        """
+        count, fingerprint, entries = self.count, self.fingerprint, self.entries
+        self.count, self.fingerprint = 0, 0
+        self.entries = deque(maxlen=entries.maxlen)
+        return count, fingerprint, entries
+
     def numbered(self) -> list[tuple[int, str]]:
         """The kept entries with their 1-based numbers since the last reset."""
-        first = self.count - len(self.entries) + 1
-        return [(first + i, e) for i, e in enumerate(self.entries)]
+        return number(self.count, self.entries)
 
 
-_MISMATCH_HINT = (
-    "Every rank must run the same sharded units in the same order: a branch chosen by the data (or by "
-    "the rank) that runs a unit on some ranks only mixes up their gradients. Keep such branches inside "
-    "one unit (e.g. make their parent module the unit with transformer_layer_cls_to_wrap), or use stage "
-    "0, which allows them; to run the model on one rank alone (e.g. generate() on rank 0), enter "
-    "model.summon_full_params() on every rank first.")
+
+def number(count: int, entries: deque[str]) -> list[tuple[int, str]]:
+    """The last ``len(entries)`` of ``count`` collectives, with their 1-based numbers."""
+    first = count - len(entries) + 1
+    return [(first + i, e) for i, e in enumerate(entries)]
+
+
+#: how to fix a mismatch (the hang diagnosis names one too, so the text lives beside it)
+_MISMATCH_HINT = MISMATCH_HINT
 
 
 def describe_mismatch(traces: dict[int, dict[str, Any]]) -> str:
