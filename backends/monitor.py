@@ -24,6 +24,12 @@ ever (``backends/bounded_store.py``), so each store call gives up after a bound 
 2 to 10 s), and a store that gave no answer is named unreachable, with the ranks of the other nodes
 (their hosts were read at the start).
 
+Ranks that issued different collectives are named here too: a wait that lasts ``EARLY_LOOK_S`` reads the
+reference peer's entry (rank 0's; rank 1's for rank 0), and a peer at the same collective number with another
+description cannot complete this one: the mismatch is logged at once (``report_mismatch``), not at the
+deadline, and the wait, when it fails, raises ``CollectiveMismatchError``. The collectives agreement check
+(``collectives/agreement.py``) runs its store calls on this thread too (``beat_work``).
+
 Cost: the main thread only stores a small tuple when a wait starts and ends; a daemon thread
 publishes it about once a second when it changed (and a heartbeat every few seconds) and checks the
 deadline; a second one makes the store calls. No store traffic happens on the training path, and no

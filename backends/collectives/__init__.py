@@ -14,6 +14,8 @@ One job per file:
 - ``handle.py``: ``Handle``, an operation in flight, and ``IN_FLIGHT``, how many this process handed out
 - ``accounting.py``: ``CommCounter``, bytes and calls per kind (the ZeRO paper's byte convention)
 - ``trace.py``: ``CollectiveTrace``, the numbered fingerprint of what was issued, and ``describe_mismatch``
+- ``agreement.py``: ``CollectiveAgreement``, the ranks' traces compared after the first optimizer step on the
+  collective monitor's thread, through the job's store (no device read in a training step)
 - ``single.py``: ``SingleProcessCollectives``
 - ``process_group.py``: ``DistCollectives`` (gloo's packing of small tensors, the reduce-scatter forms)
 """

@@ -1,9 +1,10 @@
 """The collective trace: what this process issued, numbered and fingerprinted, and the mismatch message.
 
 Every call may carry a ``tag`` naming what it moves (e.g. "all-gather of unit layers.3"). Calls are
-numbered and fingerprinted (``CollectiveTrace``), so ``verify_same_collectives`` can tell, with one
-tiny all-reduce, whether every rank issued the same collectives since the last check, and name the
-first one where they differ (``describe_mismatch``, over the ranks' entries; see ``DistCollectives``).
+numbered and fingerprinted (``CollectiveTrace``), so ``verify_same_collectives`` can tell whether every
+rank issued the same collectives since the last check (with one tiny all-reduce at the first optimizer
+step, later off the training path: ``agreement.py``), and name the first one where they differ
+(``describe_mismatch``, over the ranks' entries).
 """
 
 from __future__ import annotations

@@ -273,7 +273,8 @@ class ShardedModel(nn.Module):
 
         Before each step, the ranks check that they issued the same collectives since the last check
         (data-dependent control flow that made ranks run different units is an error naming the
-        units and ranks, not silently mixed-up gradients). After each step, units are marked stale,
+        units and ranks, not silently mixed-up gradients): at the first step at once, later through the
+        collective monitor's thread, with no device read in the step (``backends/collectives/agreement.py``). After each step, units are marked stale,
         so every rank decides to all-gather at the same point even with an optimizer that leaves an
         empty shard untouched (a rank gathering alone would hang).
         """
