@@ -7,6 +7,9 @@ error's message names the problem and the fix.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
 
 class XShardError(Exception):
     """Base of xshard's user-facing errors (the CLI prints the message and exits non-zero)."""
@@ -51,3 +54,29 @@ class CollectiveTimeoutError(XShardError, RuntimeError):
 class RankDiedError(XShardError, RuntimeError):
     """A peer process died (killed, crashed, its node lost) while this rank waited in a collective; the
     message names the dead rank(s) and the collective this rank waited in."""
+
+
+class OtherRankFailedError(XShardError, RuntimeError):
+    """This rank's own part was fine, but another rank's failed, so every rank stops: the message names that rank
+    (``because_of``), and the launcher names it as the rank that failed (``culprit_rank``)."""
+
+
+#: the phrase a "failed because of another rank" message carries, for the launcher to read back
+_CULPRIT = re.compile(r"\bbecause ranks? (\d+)(?:, \d+)*(?: and \d+ more)? failed\b")
+
+
+def because_of(ranks: Sequence[int], count: int) -> str:
+    """"because rank 1 failed" / "because ranks 1, 3 failed": the ``count`` ranks that failed, ``ranks`` the ones
+    known by number (the lowest first; a rank past the agreement's bitmask is counted, not named)."""
+    named = sorted(ranks)
+    if not named:
+        return f"because {count} other rank(s) failed"
+    more = f" and {count - len(named)} more" if count > len(named) else ""
+    word = "rank" if len(named) == 1 and not more else "ranks"
+    return f"because {word} {', '.join(map(str, named))}{more} failed"
+
+
+def culprit_rank(message: str) -> int | None:
+    """The first rank a ``because_of`` phrase in ``message`` names, or None."""
+    found = _CULPRIT.search(message)
+    return int(found.group(1)) if found else None

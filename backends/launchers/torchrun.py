@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from ...errors import culprit_rank
 from ..world import DEFAULT_MASTER_ADDR as _LOOPBACK  # this machine's rendezvous address
 from .base import GUARD, Launcher, LaunchError, LaunchPlan, LaunchRequest, exit_code
 from .store_link import DEFAULT_SECONDS, StoreLinkGuard
@@ -224,7 +225,9 @@ def failure_report(failures: Mapping[int, Any]) -> tuple[int, str]:
     because of a peer (its error, which an xshard rank leaves where torchrun reads it, is a
     ``RankDiedError`` or ``CollectiveTimeoutError``) or that torchrun itself stopped (SIGTERM, after the
     first failure) is never the cause when another rank tied with it; among the rest the lowest rank is
-    named first, with its exception where the rank left it.
+    named first, with its exception where the rank left it. A rank whose error names the rank it stopped
+    because of (``xshard.errors.because_of``: a save that another rank could not write) makes that rank the
+    one that failed, whenever each exited, and the ranks that stopped are said to have stopped because of it.
     """
     stopped_code = -int(signal.SIGTERM)
 
@@ -233,6 +236,13 @@ def failure_report(failures: Mapping[int, Any]) -> tuple[int, str]:
         return failure.timestamp, _error_of(failure).startswith(_PEER_ERRORS), failure.exitcode == stopped_code, rank
 
     ranked = sorted(failures.items(), key=order)
+    # A rank that stopped because another one failed names it (``xshard.errors.because_of``): that rank is the
+    # cause, whichever exited first, and the ranks that named it stopped because of it
+    culprits = [culprit_rank(_error_of(failure)) for _, failure in ranked]
+    named = next((rank for rank in culprits if rank is not None and rank in failures), None)
+    because = {rank for (rank, _), culprit in zip(ranked, culprits, strict=True) if named is not None and culprit == named}
+    if named is not None:
+        ranked.sort(key=lambda item: item[0] != named)
     first_rank, first = ranked[0]
     error = _error_of(first)
     code = exit_code(first.exitcode) or 1
@@ -241,16 +251,24 @@ def failure_report(failures: Mapping[int, Any]) -> tuple[int, str]:
         # of the crash exited first, came while the process was ending: the job failed by the exception,
         # whose exit code is Python's 1, not 143 (which would say a signal stopped a healthy job)
         code = 1
+    if named == first_rank and first.exitcode == stopped_code and not error:
+        # the peers say it failed, and torchrun's SIGTERM came before its script's exception reached the launcher
+        code, error = 1, "its error is in its output above: it was stopped before it could report it"
     parts = [f"rank {first_rank} (local rank {first.local_rank}) failed with exit code {code}"
              + (f" ({error})" if error else "")]
     for rank, failure in ranked[1:]:
-        what = "was stopped" if failure.exitcode == stopped_code else f"exited with code {exit_code(failure.exitcode)}"
+        if named == first_rank and (rank in because or failure.exitcode == stopped_code):
+            what = "was stopped because of it"
+        elif failure.exitcode == stopped_code:
+            what = "was stopped"
+        else:
+            what = f"exited with code {exit_code(failure.exitcode)}"
         parts.append(f"rank {rank} {what}")
     return code, "xshard launch: " + "; ".join(parts) + ". The output above shows the cause."
 
 
-#: the errors of a rank that failed because of a peer (``xshard.errors``)
-_PEER_ERRORS = ("RankDiedError", "CollectiveTimeoutError")
+#: the errors of a rank that failed because of a peer (``xshard.errors``; a save's: ``OtherRankSaveError``)
+_PEER_ERRORS = ("RankDiedError", "CollectiveTimeoutError", "OtherRankSaveError")
 
 
 def _error_of(failure: Any) -> str:

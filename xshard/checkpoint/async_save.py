@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..backends.call_thread import Call, CallThread
+from ..errors import OtherRankFailedError, because_of
 from ..runtime.rank_logging import get_logger
 from .files import CheckpointError, CheckpointSaveError, FileWriter
 from .tensorfile import PT_METADATA, safetensors_header, tensor_bytes
@@ -66,6 +67,11 @@ _DEFAULT_WAIT_SECONDS = 1800.0
 
 class _OtherRanksFailed(CheckpointError):
     """Rank 0 could not commit because another rank's background write failed (that rank reports why)."""
+
+
+class OtherRankSaveError(OtherRankFailedError, CheckpointSaveError, CheckpointError):
+    """This rank's part of a save (blocking or in the background) was written, another rank's was not: the
+    message names that rank, whose own error says why; nothing of the save was kept."""
 
 
 class HostStaging:
@@ -320,23 +326,23 @@ def _disk_full(tmp: Path, writer: FileWriter) -> CheckpointSaveError:
     return error
 
 
-def wait(job: JobState, count_failed: Callable[[bool], int]) -> None:
+def wait(job: JobState, ranks_failed: Callable[[bool], tuple[int, list[int]]]) -> None:
     """Wait for the job's background write, if any; raise on every rank if any rank's write failed.
 
-    ``count_failed(flag)`` tells how many ranks pass True (a collective every rank calls).
+    ``ranks_failed(flag)`` tells how many ranks pass True and which (a collective every rank calls).
     """
     saver = job.async_saver
     if not isinstance(saver, AsyncSaver) or not saver.pending:
         return
     path, error = saver.finish()
     own = error is not None and not isinstance(error, _OtherRanksFailed)
-    failed = count_failed(own)
+    failed, which = ranks_failed(own)
     if (failed or error is not None) and saver.rank == 0 and saver.tmp is not None:
         shutil.rmtree(saver.tmp, ignore_errors=True)  # every rank's thread has ended: nothing writes there now
     if own:
         raise CheckpointError(f"the background write of {path} failed: {error}; the previous checkpoint is "
                               "intact and nothing of this save was kept") from error
     if failed or error is not None:
-        raise CheckpointError(f"{failed} other rank(s) failed to write {path} in the background (their error "
-                              "is in their log); it was not committed and the previous checkpoint is intact")
+        raise OtherRankSaveError(f"{path} was not committed {because_of(which, failed)} to write its part in the "
+                                 "background (that rank's own error says why); the previous checkpoint is intact")
     log.info("background save of %s finished", path)

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from .._version import __version__
+from ..errors import because_of
 from ..runtime.rank_logging import get_logger
 from . import async_save as background
 from . import foreign, formats, output_lock, trainer_folder
@@ -337,14 +338,15 @@ def _commit(tmp: Path, final: Path, head: dict[str, Any], world_size: int, save_
 
 def wait_for_background_save(job: JobState) -> None:
     """Wait for an async save of this job still being written; raise its error on every rank if it failed."""
-    background.wait(job, lambda failed: _ranks_where(job, failed)[0])
+    background.wait(job, lambda failed: _which_ranks(job, failed))
 
 
 def _agree_on_save(job: JobState, final: Path, tmp: Path, error: BaseException | None, writer: FileWriter) -> None:
     """Every rank learns whether any rank failed its part of the save (this replaces a barrier): then
     rank 0 removes the ``.tmp`` folder and every rank raises, a full disk as one line with the bytes
     the checkpoint needs (all ranks' files) and the bytes free."""
-    failed, full, needed = _sum_over_ranks(job, [error is not None, writer.no_space is not None, writer.bytes_needed])
+    failed, full, needed, bits = _sum_over_ranks(job, [error is not None, writer.no_space is not None,
+                                                        writer.bytes_needed, _rank_bit(job.rank, error is not None)])
     if not failed and not full:
         return
     if job.is_main_process and tmp.is_dir():
@@ -363,8 +365,9 @@ def _agree_on_save(job: JobState, final: Path, tmp: Path, error: BaseException |
         raise cannot_write(final, error) from error
     if error is not None:
         raise error
-    raise CheckpointSaveError(f"cannot save the checkpoint {final}: {failed} other rank(s) failed to write their "
-                              "part (their error is in their log); nothing of this save was kept")
+    raise background.OtherRankSaveError(f"cannot save the checkpoint {final} {because_of(_ranks_of(bits), failed)} "
+                                        "to write its part (that rank's own error says why); nothing of this save "
+                                        "was kept")
 
 
 class _SizeWriter:
@@ -483,6 +486,26 @@ def _read_everything(job: JobState, root: Path, on_bytes: Any = None) -> dict[st
     plan["rng"] = load_torch(root, rng_name if rng_name in manifest["files"] else "rng.rank0.pt", manifest,
                              on_bytes)
     return plan
+
+
+#: ranks below this are named by a failed save's agreement: one bit each of an int64 value
+_NAMED_RANKS = 63
+
+
+def _rank_bit(rank: int, flag: bool) -> int:
+    """This rank's bit when ``flag`` is set: summed over the ranks, the bits say which ranks set it."""
+    return 1 << rank if flag and rank < _NAMED_RANKS else 0
+
+
+def _ranks_of(bits: int) -> list[int]:
+    """The ranks whose ``_rank_bit`` is in ``bits``."""
+    return [rank for rank in range(_NAMED_RANKS) if bits >> rank & 1]
+
+
+def _which_ranks(job: JobState, flag: bool) -> tuple[int, list[int]]:
+    """How many ranks have ``flag`` set, and which of them (those below ``_NAMED_RANKS``): one agreement."""
+    count, bits = _sum_over_ranks(job, [1 if flag else 0, _rank_bit(job.rank, flag)])
+    return count, _ranks_of(bits)
 
 
 def _ranks_where(job: JobState, *flags: bool) -> list[int]:
