@@ -20,6 +20,7 @@ class CPUBackend(Backend):
     visible_devices_env = None
     native_avg = False  # gloo's AVG support varies by version: SUM then divide is always right
     allocator_caches = False  # torch's CPU allocator is malloc (see DeviceAPI.allocator_caches)
+    trainer_device_count = 0  # transformers' n_gpu on a CPU
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

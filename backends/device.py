@@ -71,6 +71,10 @@ class DeviceAPI:
     #: can host memory be page-locked (pinned) for this device, so that a copy from the device to it runs
     #: asynchronously and at full speed? The host buffers of an async save are then pinned (and reused)
     pins_host_memory: ClassVar[bool] = False
+    #: class fact: the devices one process of this backend drives, as transformers' ``TrainingArguments.n_gpu``
+    #: counts them: 0 where the process computes on the host's CPUs or on an XLA device (which transformers
+    #: never wraps in DataParallel), 1 where it drives one accelerator (xshard runs one device per process)
+    trainer_device_count: ClassVar[int] = 1
 
     # set by Backend
     name: ClassVar[str]

@@ -128,6 +128,7 @@ class XLABackend(Backend):
     vendor_module = "torch_xla"
     #: XLA tensors have no storage to resize: the core replaces a freed full parameter's ``.data``
     frees_storage_by_resize: ClassVar[bool] = False
+    trainer_device_count: ClassVar[int] = 0  # transformers' n_gpu on an XLA device
     #: every new input shape is a new graph to compile
     compiles_graphs: ClassVar[bool] = True
 

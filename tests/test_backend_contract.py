@@ -27,7 +27,7 @@ CONTRACT = {
     "device": ["device", "set_device", "device_count", "host_device_count", "synchronize", "manual_seed",
                "rng_state", "set_rng_state", "memory_stats", "reset_peak_memory_stats", "supports", "autocast",
                "grad_scaler", "checkpoint_wrapper", "wrap_dataloader", "mark_step", "optimizer_step",
-               "optimizer_step_patch", "frees_storage_by_resize", "compiles_graphs", "pins_host_memory",
+               "optimizer_step_patch", "frees_storage_by_resize", "compiles_graphs", "pins_host_memory", "trainer_device_count",
                "host_buffer"],
     "communication": ["init_process_group", "destroy_process_group", "collectives", "local_collectives",
                       "process_group_options", "collective_options", "group_collectives", "check_world",

@@ -165,6 +165,7 @@ class Accelerator(AccelerateSurface):
         # Accelerate's arguments read by later calls (``xshard.config.accelerate_args``)
         self._data_seed: int | None = compat.data_seed
         self._seedable_sampler: bool = compat.use_seedable_sampler
+        self._dynamo_plugin: Any = compat.dynamo  # read by prepare_model and state.dynamo_plugin
         self._non_blocking: bool | None = compat.non_blocking
         self._autocast_enabled: bool = compat.autocast_enabled
         self.profile_handler: Any = compat.profile_handler  # accelerator.profile()'s default ProfileKwargs
@@ -622,7 +623,6 @@ class Accelerator(AccelerateSurface):
         job.adjust_scheduler, job.sync_with_dataloader = compat.adjust_scheduler, compat.sync_with_dataloader
         job.sync_each_batch, job.split_batches = compat.sync_each_batch, compat.split_batches
         job.step_scheduler_with_optimizer = compat.step_scheduler_with_optimizer
-        self._dynamo_plugin = compat.dynamo  # read by prepare_model and state.dynamo_plugin
         use_barrier(self.wait_for_everyone)  # in_order logging takes turns at it
         share_with_accelerate(self)  # accelerate.logging.get_logger works beside this Accelerator
         if compat.ignored and self.is_main_process:

@@ -33,8 +33,9 @@ SCHEDULE_KEYS = ("wait", "warmup", "active", "repeat", "skip_first")
 def profiler_activities(device_type: str) -> dict[str, torch.profiler.ProfilerActivity]:
     """The activity names a job on ``device_type`` can record, and torch's activity for each."""
     activities = {"cpu": torch.profiler.ProfilerActivity.CPU}
-    if device_type == "cuda":
-        activities["cuda"] = torch.profiler.ProfilerActivity.CUDA
+    own = getattr(torch.profiler.ProfilerActivity, device_type.upper(), None)  # CUDA, XPU, MTIA ... where torch has it
+    if own is not None:
+        activities[device_type] = own
     return activities
 
 

@@ -61,15 +61,16 @@ def _torch_has_accelerator() -> bool:
         return False
 
 
-def process_gpu_count(device: torch.device) -> int:
-    """``args.n_gpu`` as the stock arguments report it for a process on ``device``: 0 on a CPU (one process,
-    or Accelerate's multi-CPU job, which needs ``--use_cpu``) and on an XLA device; 1 on any other device.
+def process_gpu_count(backend: Any) -> int:
+    """``args.n_gpu`` as the stock arguments report it for a process of ``backend`` (its ``trainer_device_count``):
+    0 on a CPU (one process, or Accelerate's multi-CPU job, which needs ``--use_cpu``) and on an XLA device; 1 on
+    any other device.
 
     Design note: the Trainer reads it as the number of devices this process drives with DataParallel (and
     ``train_batch_size`` = ``per_device_train_batch_size`` x ``max(1, n_gpu)``); a stock single process on a
     machine with several GPUs reports all of them and wraps the model in DataParallel, which xshard never
     does: one device per process, so 1 there."""
-    return 0 if device.type in ("cpu", "xla") else 1
+    return int(backend.trainer_device_count)
 
 
 class XShardDistributedState:
@@ -286,7 +287,7 @@ class TrainingArgumentsMixin(_ArgumentsHost):
         backend.init_process_group(timeout=float(self.ddp_timeout))
         self.distributed_state = XShardDistributedState(backend)
         device = backend.device()
-        self._n_gpu = process_gpu_count(device)
+        self._n_gpu = process_gpu_count(backend)
         if not _torch_has_accelerator():
             self.dataloader_pin_memory = False  # nothing to pin for (torch warns at every loader otherwise)
         return device

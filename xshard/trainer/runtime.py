@@ -119,7 +119,7 @@ def bind_arguments(args: Any, accelerator: Accelerator) -> None:
         return  # xshard's arguments: already the backend's answers
     args.distributed_state = XShardDistributedState(accelerator.backend)
     args.__dict__["_setup_devices"] = accelerator.device  # the cached property the Trainer reads as args.device
-    args._n_gpu = process_gpu_count(accelerator.device)  # as the stock arguments count (never DataParallel)
+    args._n_gpu = process_gpu_count(accelerator.backend)  # as the stock arguments count (never DataParallel)
 
 
 def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
