@@ -17,6 +17,11 @@ from support.sharding_harness import GRAD_RTOL
 from torch.utils.data import DataLoader, TensorDataset
 
 from xshard.runtime.data import ShardSampler
+from xshard.utils import DataLoaderConfiguration
+
+#: a plain shuffle's order from the seed and the epoch (Accelerate's seedable sampler), the same on every
+#: world size: the order of the references here
+SEEDABLE = DataLoaderConfiguration(use_seedable_sampler=True)
 
 N, DIM, BATCH, WORLD, ACCUM, CLIP = 32, 8, 2, 2, 2, 0.05
 
@@ -99,7 +104,7 @@ def _prepared(stage, extra=None, clip=CLIP):
     config = {"stage": stage, "gradient_accumulation_steps": ACCUM, **(extra or {})}
     if clip is not None:
         config["gradient_clipping"] = clip
-    acc = xshard.Accelerator(config=config, seed=0)
+    acc = xshard.Accelerator(config=config, seed=0, dataloader_config=SEEDABLE)
     model = _model()
     opt, sched = _optimizer(model)  # built before prepare: the parameters stay valid
     loader = DataLoader(_data(), batch_size=BATCH, shuffle=True)

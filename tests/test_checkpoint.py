@@ -5,7 +5,10 @@ every load).
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +17,11 @@ from support.models import RegressionNet, regression_data
 from torch.utils.data import DataLoader, TensorDataset
 
 from xshard.runtime.data import ShardSampler
+from xshard.utils import DataLoaderConfiguration
+
+#: a plain shuffle's order from the seed and the epoch (Accelerate's seedable sampler), the same on every
+#: world size: the order of the references here
+SEEDABLE = DataLoaderConfiguration(use_seedable_sampler=True)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -38,7 +46,7 @@ def _job(world_size, stage=3, dropout=0.0, width=16, state_dict_type="full"):
     # the schedule counts optimizer steps whatever the world size (the tests reshard 4 -> 2 -> 1), not
     # Accelerate's default of one step per process per optimizer step
     acc = xshard.Accelerator(config={"stage": stage, "state_dict_type": state_dict_type}, seed=0,
-                             step_scheduler_with_optimizer=False)
+                             step_scheduler_with_optimizer=False, dataloader_config=SEEDABLE)
     model = Net(dropout, width)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
@@ -46,20 +54,29 @@ def _job(world_size, stage=3, dropout=0.0, width=16, state_dict_type="full"):
     return (acc, *acc.prepare(model, opt, loader, sched))
 
 
+#: each loader's batches over its epochs, continued by the next ``_steps`` call (one training loop that saves
+#: inside it and goes on): id -> (the loader, kept alive so its id is not reused, and the batches)
+_LOOPS: dict[int, tuple[Any, Iterator[Any]]] = {}
+
+
+def _epochs(loader) -> Iterator[Any]:
+    while True:
+        yield from loader
+
+
 def _steps(acc, model, opt, loader, sched, n):
-    """``n`` optimizer steps, across epoch ends; returns (losses, first feature of every batch seen)."""
+    """``n`` more optimizer steps of the loader's loop, across epoch ends (where the last call on this loader
+    stopped); returns (losses, first feature of every batch seen)."""
     losses, seen = [], []
-    while len(losses) < n:
-        for x, y in loader:
-            loss = model(x, y)
-            acc.backward(loss)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            losses.append(acc.reduce(loss.detach(), "mean").item())
-            seen.append(acc.gather(x[:, 0].contiguous()))
-            if len(losses) == n:
-                break
+    batches = _LOOPS.setdefault(id(loader), (loader, _epochs(loader)))[1]
+    for x, y in itertools.islice(batches, n):
+        loss = model(x, y)
+        acc.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(acc.reduce(loss.detach(), "mean").item())
+        seen.append(acc.gather(x[:, 0].contiguous()))
     return losses, seen
 
 
@@ -72,11 +89,7 @@ def _plain(model):
 
 def _save_worker(rank, world_size, folder):
     acc, model, opt, loader, sched = _job(world_size, dropout=0.2)
-    # The straight run leaves its loop after K steps too, as a resumed run does: starting a new pass
-    # over a DataLoader draws a seed from torch's RNG, which moves the dropout masks.
-    first, first_seen = _steps(acc, model, opt, loader, sched, K)
-    then, then_seen = _steps(acc, model, opt, loader, sched, K)
-    straight = (first + then, first_seen + then_seen)
+    straight = _steps(acc, model, opt, loader, sched, 2 * K)
     straight_state = _plain(model)
     acc, model, opt, loader, sched = _job(world_size, dropout=0.2)
     _steps(acc, model, opt, loader, sched, K)

@@ -11,7 +11,7 @@ import os
 
 import pytest
 from support.distributed import run_workers
-from test_checkpoint import GLOBAL_BATCH, K, Net, _data, _reference, _steps
+from test_checkpoint import GLOBAL_BATCH, SEEDABLE, K, Net, _data, _reference, _steps
 from torch.utils.data import DataLoader
 
 pytestmark = pytest.mark.multiprocess
@@ -22,7 +22,7 @@ def _job(world_size, config):
 
     import xshard
 
-    acc = xshard.Accelerator(config=config, seed=0, step_scheduler_with_optimizer=False)
+    acc = xshard.Accelerator(config=config, seed=0, step_scheduler_with_optimizer=False, dataloader_config=SEEDABLE)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)

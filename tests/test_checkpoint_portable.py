@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from support.distributed import run_workers
-from test_checkpoint import K, _plain, _reference, _steps
+from test_checkpoint import SEEDABLE, K, _plain, _reference, _steps
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,7 +24,8 @@ def _default_job(world_size, stage, optimizer="adamw"):
     import xshard
 
     # the schedule counts optimizer steps whatever the world size (as in test_checkpoint._job)
-    acc = xshard.Accelerator(config={"stage": stage}, seed=0, step_scheduler_with_optimizer=False)
+    acc = xshard.Accelerator(config={"stage": stage}, seed=0, step_scheduler_with_optimizer=False,
+                             dataloader_config=SEEDABLE)
     model = Net()
     if optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

@@ -345,6 +345,12 @@ class ShardedDataLoader(AccelerateLoaderMembers):
                 f"{_name(self.loader)}: the checkpoint's position is in the stream's split by node over {saved_world} "
                 f"processes, and this job has {self.num_replicas} (each would read other shards): resume on "
                 f"{saved_world} processes")
+        if self.sampler is not None and self.sampler.source.plain and self.sampler.seed is None:
+            _log.warning(
+                "%s: the checkpoint was saved by %d processes and this job has %d; a plain shuffle=True draws "
+                "Accelerate's default order, which differs between process counts, so the resumed epochs read "
+                "another order; DataLoaderConfiguration(use_seedable_sampler=True) gives one order on any number "
+                "of processes", _name(self.loader), saved_world, self.num_replicas, main_process_only=True)
         if saved_step is None or step is None:  # batches of unknown size: counted in the loader's batches
             saved_step, step = (1, 1) if self._split_batches else (saved_world, self.num_replicas)
         steps, again = divmod(consumed * saved_step, step)
