@@ -46,12 +46,14 @@ from .trace import _MISMATCH_HINT, describe_mismatch, number
 
 log = logging.getLogger("xshard.backends")
 
-#: where each rank publishes its latest step records
-RECORDS_KEY = "xshard/collective-agreement/records/{rank}"
-#: the job's one mismatch case: the rank that found it first and the step (set once, by compare_set)
-CASE_KEY = "xshard/collective-agreement/case"
-ANSWER_KEY = "xshard/collective-agreement/answer/{rank}"
-MESSAGE_KEY = "xshard/collective-agreement/message"
+#: the store keys of one agreement (``{n}``: its number in this process, the same on every rank, as SPMD code
+#: makes its collectives in the same order: a later Accelerator of the same job never reads an earlier one's
+#: records): each rank's latest step records; the one mismatch case, the rank that found it first and the
+#: step (set once, by compare_set); each rank's answer to it; its message
+RECORDS_KEY = "xshard/collective-agreement/{n}/records/{rank}"
+CASE_KEY = "xshard/collective-agreement/{n}/case"
+ANSWER_KEY = "xshard/collective-agreement/{n}/answer/{rank}"
+MESSAGE_KEY = "xshard/collective-agreement/{n}/message"
 #: how many of its latest steps a rank publishes, and keeps the records of
 PUBLISHED_STEPS, HISTORY_STEPS = 16, 1024
 #: how many collectives' entries (their text) a rank keeps from its latest steps, for the message: the
@@ -77,7 +79,14 @@ def check_every_step() -> bool:
 class CollectiveAgreement:
     """This rank's step records, compared with rank 0's by the monitor's thread (see the module docstring)."""
 
+    #: agreements made by this process so far (numbers their store keys)
+    made = 0
+
     def __init__(self, monitor: CollectiveMonitor, rank: int, world_size: int) -> None:
+        CollectiveAgreement.made += 1
+        n = CollectiveAgreement.made
+        self._records_key, self._case_key = RECORDS_KEY.replace("{n}", str(n)), CASE_KEY.format(n=n)
+        self._answer_key, self._message_key = ANSWER_KEY.replace("{n}", str(n)), MESSAGE_KEY.format(n=n)
         self.rank, self.world_size = rank, world_size
         self._store: BoundedStore = monitor.store
         self._monitor = monitor
@@ -124,12 +133,12 @@ class CollectiveAgreement:
     # ------------------------------------------------------------------ the monitor's thread
     def beat(self) -> None:
         """One beat of the monitor's thread: publish, compare with rank 0, follow a case. Store calls only."""
-        if self.mismatch is not None:
-            return
+        if self.mismatch is not None or self._latest == 0:
+            return  # found; or no step recorded (a second backend of the process that runs no collective)
         latest = self._latest
         if latest != self._published:
             text = json.dumps(self._latest_records(PUBLISHED_STEPS))
-            self._store.run(lambda store: store.set(RECORDS_KEY.format(rank=self.rank), text))
+            self._store.run(lambda store: store.set(self._records_key.format(rank=self.rank), text))
             self._published = latest
         if self.rank != 0 and latest != self._compared and self._case is None:
             self._compare_with_rank0()
@@ -146,7 +155,7 @@ class CollectiveAgreement:
             return [[s, *self._records[s]] for s in list(self._steps)[-n:]]
 
     def _compare_with_rank0(self) -> None:
-        text = self._get(RECORDS_KEY.format(rank=0))
+        text = self._get(self._records_key.format(rank=0))
         if text is None:
             return
         with self._lock:
@@ -155,7 +164,7 @@ class CollectiveAgreement:
                      if step in mine and mine[step][2] != chain]
         if differing:
             claim = json.dumps({"rank": self.rank, "step": min(differing)})
-            self._store.run(lambda store: store.compare_set(CASE_KEY, "", claim))
+            self._store.run(lambda store: store.compare_set(self._case_key, "", claim))
             self._case_looked_at = 0.0  # read the case at once
 
     def _follow_case(self) -> None:
@@ -164,15 +173,15 @@ class CollectiveAgreement:
             if time.monotonic() - self._case_looked_at < HEARTBEAT:
                 return  # looked for at the heartbeat's pace
             self._case_looked_at = time.monotonic()
-            text = self._get(CASE_KEY)
+            text = self._get(self._case_key)
             if text is None:
                 return
             self._case, self._case_since = json.loads(text), time.monotonic()
             answer = json.dumps(self._answer())
-            self._store.run(lambda store: store.set(ANSWER_KEY.format(rank=self.rank), answer))
+            self._store.run(lambda store: store.set(self._answer_key.format(rank=self.rank), answer))
         if self._case["rank"] == self.rank:
             self._gather_answers()
-        message = self._get(MESSAGE_KEY)
+        message = self._get(self._message_key)
         if message is not None:
             self.mismatch = message.decode()
             self._monitor.report_mismatch(self.mismatch)
@@ -189,13 +198,13 @@ class CollectiveAgreement:
         if self._message_written:
             return
         for r in range(self.world_size):
-            text = self._get(ANSWER_KEY.format(rank=r)) if r not in self._answers else None
+            text = self._get(self._answer_key.format(rank=r)) if r not in self._answers else None
             if text is not None:
                 self._answers[r] = json.loads(text)
         if len(self._answers) < self.world_size and time.monotonic() - self._case_since < ANSWER_WAIT_S:
             return
         message = describe_case(self._answers, self.world_size, self._case["step"] if self._case else 0)
-        self._store.run(lambda store: store.set(MESSAGE_KEY, message))
+        self._store.run(lambda store: store.set(self._message_key, message))
         self._message_written = True
 
 
