@@ -31,7 +31,6 @@ from xshard.config.accelerate_args import read_accelerate_args, settle_with_conf
 from xshard.config.schema import XShardConfig
 
 TESTS = Path(__file__).parent
-DOC = TESTS.parent / "docs" / "accelerate-scripts.md"
 
 
 def _accelerate_classes() -> dict[str, type]:
@@ -332,13 +331,3 @@ def test_an_accelerate_yamls_cpu_ram_efficient_loading_is_read_not_warned(tmp_pa
 
 
 # ------------------------------------------------------------------ the doc
-
-
-def test_the_docs_plugin_table_is_the_rows():
-    text = DOC.read_text()
-    start, end = "<!-- plugin-fields: start -->", "<!-- plugin-fields: end -->"
-    assert start in text and end in text, f"docs/accelerate-scripts.md lacks the {start} ... {end} table"
-    table = text.split(start, 1)[1].split(end, 1)[0].strip()
-    assert table == plugins.markdown(), (
-        "docs/accelerate-scripts.md's plugin table differs from PLUGIN_ROWS: paste "
-        "python -c 'from xshard.accelerate_compat.conformance.plugins import markdown; print(markdown())'")

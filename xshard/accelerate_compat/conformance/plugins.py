@@ -159,21 +159,3 @@ PLUGIN_ROWS: dict[str, dict[str, Row]] = {
         "custom_megatron_datasets_provider_function", "custom_get_batch_function", "custom_loss_function",
         "other_megatron_args")),
 }
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def markdown() -> str:
-    """The rows as the markdown table docs/accelerate-scripts.md shows (class | field | xshard | what it does);
-    the fields of a class that share one row's words are one line (a long list as its count)."""
-    lines = ["| class | field | xshard | what xshard does |", "|---|---|---|---|"]
-    for owner in sorted(PLUGIN_ROWS):
-        groups: dict[tuple[str, str], list[str]] = {}
-        for name, row in PLUGIN_ROWS[owner].items():
-            groups.setdefault((row.status, row.how), []).append(name)
-        for (status, how), names in groups.items():
-            shown = ", ".join(f"`{n}`" for n in names) if len(names) <= 10 else f"all {len(names)} fields"
-            lines.append(f"| `{owner}` | {shown} | {status} | {_cell(how)} |")
-    return "\n".join(lines)
