@@ -3,8 +3,8 @@
 ``PLUGIN_ROWS``: class name -> field name -> ``Row``. A "warned" row's ``how`` is the text the Accelerator's one
 warning gives for the field (``xshard.config.accelerate_fields``, which the reader uses), so the table and the
 warning cannot say different things. ``tests/test_accelerate_plugin_fields.py`` fails on a field of the
-installed accelerate without a row, and on a warned row whose field is not named in exactly one warning;
-``markdown()`` is the table docs/accelerate-scripts.md shows (a test keeps the page equal to it).
+installed accelerate without a row, and on a warned row whose field is not named in exactly one warning; the
+conformance generator shows the rows in docs/accelerate-scripts.md.
 """
 
 from __future__ import annotations
