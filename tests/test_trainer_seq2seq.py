@@ -63,3 +63,40 @@ def test_a_trainer_xshard_does_not_ship_is_an_import_error_naming_the_mixin() ->
     import xshard.trainer
 
     assert not hasattr(xshard.trainer, "_private")  # other names stay plain attribute errors
+
+
+_ONE_PROCESS = """
+import json, sys
+sys.path.insert(0, {support!r})
+from seq2seq_script import pairs, tiny_t5
+if {stock!r}:
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+else:
+    from xshard.trainer import Seq2SeqTrainer, Seq2SeqTrainingArguments
+args = Seq2SeqTrainingArguments(output_dir={out!r}, per_device_eval_batch_size=4, report_to="none", use_cpu=True,
+                                predict_with_generate=True, generation_max_length=8)
+trainer = Seq2SeqTrainer(model=tiny_t5(), args=args, eval_dataset=pairs(9, 2))
+evaluated = trainer.evaluate()
+predicted = trainer.predict(pairs(9, 2))
+keep = lambda m: {{k: v for k, v in m.items() if not k.endswith(("runtime", "per_second", "preparation_time"))}}
+print("RESULT " + json.dumps({{"evaluate": keep(evaluated), "predict": keep(predicted.metrics),
+                               "tokens": predicted.predictions.tolist()}}))
+"""
+
+
+def test_one_process_evaluate_and_predict_give_the_stock_classs_figures(tmp_path) -> None:
+    """9 samples in batches of 4: the stock class weighs the last, short batch as a whole one in eval_loss (its
+    plain gather keeps ``loss.repeat(batch_size)`` whole); on one process xshard's figures are the same."""
+    def run(stock: bool) -> dict:
+        code = _ONE_PROCESS.format(support=str(ROOT / "tests" / "support"), stock=stock,
+                                   out=str(tmp_path / ("stock" if stock else "xshard")))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
+        env.update(OMP_NUM_THREADS="1", XSHARD_BACKEND="cpu")
+        proc = run_job([sys.executable, "-c", code], timeout=200, cwd=ROOT, env=env)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+    stock, ours = side_by_side(lambda: run(True), lambda: run(False))
+    assert ours["tokens"] == stock["tokens"] and len(stock["tokens"]) == 9
+    assert ours["evaluate"] == pytest.approx(stock["evaluate"], rel=1e-6)
+    assert ours["predict"] == pytest.approx(stock["predict"], rel=1e-6)

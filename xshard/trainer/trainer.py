@@ -124,15 +124,18 @@ class TrainerMixin(_TrainerHost):
         Design note: ``Seq2SeqTrainer.evaluate``/``predict`` set the plain ``accelerator.gather`` here.
         Accelerate gives each process whole consecutive batches, so a plain gather keeps the data set's
         order (with the last batch's wrap-around repeats at the end); xshard interleaves the samples
-        over the ranks, so a plain gather would put predictions out of the data set's order. That one
-        assignment is read as ``gather_for_metrics``; any other function is kept as given.
+        over the ranks, so on several processes a plain gather would put predictions out of the data set's
+        order: there that one assignment is read as ``gather_for_metrics``. On one process nothing is
+        interleaved or repeated and the plain gather is kept, so every figure is the stock class's (its
+        ``eval_loss`` weighs the last, short batch as a whole one: ``loss.repeat(batch_size)`` kept whole).
+        Any other function is kept as given.
         """
         return self.__dict__.get("_xshard_gather_function")
 
     @gather_function.setter
     def gather_function(self, function: Any) -> None:
         accelerator = self.__dict__.get("accelerator")
-        if accelerator is not None and function == accelerator.gather:
+        if accelerator is not None and function == accelerator.gather and accelerator.num_processes > 1:
             function = functools.partial(accelerator.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object)
         self.__dict__["_xshard_gather_function"] = function
 
