@@ -68,9 +68,9 @@ def _launch(tmp_path, *args, env=None):
 ])
 def test_the_accelerators_own_settings_error_is_not_followed_by_a_false_not_on_xshard_line(tmp_path, variable,
                                                                                              value, error):
-    script = tmp_path / "train.py"
-    script.write_text("import xshard\nxshard.Accelerator()\n")
-    done = _launch(tmp_path, "--nproc", 1, script, env={variable: value})
+    script = tmp_path / "train.py"  # set by the script: the launcher refuses it when set in its own environment
+    script.write_text(f"import os\nimport xshard\nos.environ[{variable!r}] = {value!r}\nxshard.Accelerator()\n")
+    done = _launch(tmp_path, "--nproc", 1, script)
     assert done.returncode == 1 and error in done.stderr, done.stderr
     assert HINT not in done.stderr
 

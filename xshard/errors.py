@@ -7,18 +7,33 @@ error's message names the problem and the fix.
 
 from __future__ import annotations
 
+import json
+import os
 import re
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import ClassVar
+
+#: set by ``xshard launch`` for its processes: an uncaught error of a value the user set (``one_line``) ends the
+#: process with its one line, no traceback, and reaches the launcher's last line (``report_uncaught_in_one_line``)
+ONE_LINE_ENV = "XSHARD_ONE_LINE_ERRORS"
 
 
 class XShardError(Exception):
     """Base of xshard's user-facing errors (the CLI prints the message and exits non-zero)."""
 
     exit_code = 2
+    #: a value the user set is wrong (a config key, an environment variable, an argument): its message is the
+    #: whole story, so the processes of ``xshard launch`` print it as one line, without a traceback
+    one_line: ClassVar[bool] = False
 
 
 class UnknownBackendError(XShardError, ValueError):
     """XSHARD_BACKEND or backend= names no known backend."""
+
+    one_line = True
 
 
 class BackendUnavailableError(XShardError, RuntimeError):
@@ -37,9 +52,13 @@ class VisibleDevicesError(XShardError, ValueError):
     """The ``devices`` option is malformed, or cannot take effect (runtime started, or a conflicting
     visible-devices variable is already exported)."""
 
+    one_line = True
+
 
 class WorldEnvironmentError(XShardError, ValueError):
     """torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...) are malformed or inconsistent."""
+
+    one_line = True
 
 
 class CollectiveMismatchError(XShardError, RuntimeError):
@@ -80,3 +99,47 @@ def culprit_rank(message: str) -> int | None:
     """The first rank a ``because_of`` phrase in ``message`` names, or None."""
     found = _CULPRIT.search(message)
     return int(found.group(1)) if found else None
+
+
+def report_uncaught_in_one_line(environ: Mapping[str, str] = os.environ) -> None:
+    """In a process of ``xshard launch`` (``ONE_LINE_ENV`` set): chain ``sys.excepthook`` so that an uncaught
+    ``one_line`` error prints ``Type: message`` once, without its traceback, and is left where torchrun's agent
+    reads a worker's error (``TORCHELASTIC_ERROR_FILE``), so that the launcher's last line carries the cause.
+    Any other exception, and every process outside the launcher, keeps Python's traceback. Once per process."""
+    if environ.get(ONE_LINE_ENV) != "1" or getattr(sys.excepthook, "xshard_one_line", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        if not getattr(error, "one_line", False):
+            previous(kind, error, tb)
+            return
+        _leave_for_the_launcher(error, environ)
+        print(f"xshard: error: {error}", file=sys.stderr, flush=True)
+        # the hooks below still run (launch_marker's: the mark of a failure in xshard's code, read from the
+        # traceback), but what they print, Python's own traceback at the end of the chain, is not shown
+        shown, sys.stderr = sys.stderr, open(os.devnull, "w")  # noqa: SIM115 (closed below)
+        try:
+            previous(kind, error, tb)
+        finally:
+            sys.stderr.close()
+            sys.stderr = shown
+
+    hook.xshard_one_line = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _leave_for_the_launcher(error: BaseException, environ: Mapping[str, str]) -> None:
+    """Write ``error`` in the format of torch's ``ErrorHandler`` where torchrun reads it, unless something did."""
+    path = environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": f"{type(error).__name__}: {error}", "extraInfo": {
+                "py_callstack": "", "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass
+
+
+report_uncaught_in_one_line()  # the first xshard error class imported in a launched process sets it up

@@ -144,6 +144,8 @@ def parse_stage(text: str | int) -> int:
 def parse_memory(text: str) -> int:
     """Bytes from '64GB' (10^9), '64GiB' (2^30), '80000MB', '512 MiB', or a plain byte count."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*((?:[KMGT]I?)?B)?\s*", str(text), flags=re.IGNORECASE)
+    if not match and str(text).strip().startswith("-"):
+        raise EstimateError(f"device memory {text!r} is negative; give the device's size, at least 1 byte, e.g. 64GB")
     if not match:
         raise EstimateError(f"device memory {text!r} is not a size; write e.g. 64GB, 64GiB or 80000MB")
     number, unit = float(match.group(1)), (match.group(2) or "").upper()
@@ -156,6 +158,9 @@ def parse_memory(text: str) -> int:
 
 def _need(config: dict[str, Any], key: str, where: str) -> int:
     value = config.get(key)
+    if key in config and (not isinstance(value, int) or isinstance(value, bool)):
+        raise EstimateError(f"{where}: '{key}' is {value!r}, not a whole number; fix the config.json (a size is a "
+                            "whole number of at least 1)")
     if not isinstance(value, int) or isinstance(value, bool):
         raise EstimateError(f"{where}: missing integer '{key}' (a Hugging Face decoder config.json has it)")
     if value < 1:

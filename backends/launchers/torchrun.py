@@ -276,4 +276,8 @@ def _error_of(failure: Any) -> str:
     data = getattr(failure, "error_file_data", None)
     message = data.get("message") if isinstance(data, dict) else None
     text = message.get("message") if isinstance(message, dict) else None
-    return str(text).splitlines()[0][:300] if text else ""
+    return str(text).splitlines()[0][:_ERROR_CHARS] if text else ""
+
+
+#: how much of a rank's error the launcher's last line carries (a config error's whole line fits)
+_ERROR_CHARS = 600

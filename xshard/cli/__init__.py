@@ -13,6 +13,7 @@ import argparse
 import errno
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -46,6 +47,36 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(sp)
         sp.set_defaults(_run=module.run)
     return parser
+
+
+#: a value that starts with a dash and a digit (``-5GB``, ``-1``, ``-.5``): argparse takes ``-5GB`` for an option
+_DASH_VALUE = re.compile(r"^-\.?\d")
+
+
+def attach_dash_values(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``--device-memory -5GB`` as ``--device-memory=-5GB``: a subcommand's option that takes a value gets it even
+    when it starts with a dash, so that the value's own check names the problem (argparse alone says "expected
+    one argument"). Only the subcommand's options are read: the first positional argument (launch's script) and
+    everything after it pass untouched."""
+    argv = list(argv)
+    commands = next((a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    if not argv or not isinstance(commands, dict) or argv[0] not in commands:
+        return argv
+    takes_value = {option for action in commands[argv[0]]._actions if action.option_strings and action.nargs is None
+                   for option in action.option_strings}
+    out, i = [argv[0]], 1
+    while i < len(argv):
+        token = argv[i]
+        if token == "--" or not token.startswith("-"):  # a positional argument: the rest is not ours to read
+            return out + argv[i:]
+        if token in takes_value and i + 1 < len(argv):
+            value = argv[i + 1]
+            out += [f"{token}={value}"] if _DASH_VALUE.match(value) else [token, value]
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
 
 
 def os_error_line(exc: OSError) -> str:
@@ -85,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # `launch` passes everything after the script through untouched: parse it without building
     # the other subcommands first (some import heavy optional packages).
     parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
+    args, rest = parser.parse_known_args(attach_dash_values(argv, parser))
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2

@@ -49,6 +49,7 @@ from xshard.cli.launch_cluster import with_cluster_defaults
 from xshard.cli.launch_hint import program_fix
 from xshard.cli.launch_nesting import refuse_launcher_program, refuse_nested_launch
 from xshard.cli.launch_options import LaunchOptions
+from xshard.errors import ONE_LINE_ENV
 
 if TYPE_CHECKING:
     from xshard.config import ConfigSource
@@ -99,7 +100,8 @@ def job_request(opts: LaunchOptions, env: Mapping[str, str] | None = None) -> tu
     opts = _with_config_defaults(with_cluster_defaults(opts, env), env)
     selection = select(opts.backend, env=dict(env))
     backend = selection.cls(World())
-    child_env: dict[str, str] = {ENV_VAR: backend.name}
+    # a process's uncaught error of a value the user set: one line, and the cause in the launcher's last line
+    child_env: dict[str, str] = {ENV_VAR: backend.name, ONE_LINE_ENV: "1"}
     child_env.update({k: v for k, v in backend.default_env().items() if k not in env})
 
     if not opts.module and not Path(opts.script).is_file():
@@ -224,17 +226,22 @@ def _with_config_defaults(opts: LaunchOptions, env: Mapping[str, str]) -> Launch
     launch_keys: dict[str, Any] = {}
     if opts.config is not None and Path(opts.config).is_file():
         from xshard.config import XShardConfig, read_source
-        from xshard.config.script_argv import launch_script_args
 
         source = read_source(opts.config, env)  # read once: the config, and whether it is accelerate's
         # a ds_config's "auto" values: from the script's command line where it spells them out; the rest
         # are filled by the script's process (the Trainer from its arguments, the Accelerator as Accelerate)
-        config = XShardConfig.load(source, env=env, script_args=launch_script_args(opts.script_args))
+        config = XShardConfig.load(source, env=env, script_args=_script_args(opts))
         if backend is None and config.backend != "auto":
             backend = config.backend
         config_nproc = config.devices
         nnodes = config.num_nodes if nnodes is None else nnodes
         launch_keys = accelerate_launch_keys(source)
+    else:
+        # the job's settings from the environment (XSHARD_STAGE, XSHARD_TIMEOUT, XSHARD_CONFIG's file): a value that
+        # would stop every process is refused here, in one line, before any process starts
+        from xshard.config import XShardConfig
+
+        XShardConfig.load(None, env=env, script_args=_script_args(opts))
     nnodes = 1 if nnodes is None else nnodes
     if opts.num_processes is not None:
         if nnodes < 1 or opts.num_processes % nnodes:
@@ -257,6 +264,14 @@ def _with_config_defaults(opts: LaunchOptions, env: Mapping[str, str]) -> Launch
         master_port=_first(opts.master_port, launch_keys.get("main_process_port")),
         devices=_first(opts.devices, launch_keys.get("gpu_ids")),
     )
+
+
+def _script_args(opts: LaunchOptions) -> Any:
+    """The Trainer's arguments the script's command line spells out: a ds_config's "auto" values are filled from
+    them at launch; the rest are filled by the script's process (the Trainer, or the Accelerator as Accelerate)."""
+    from xshard.config.script_argv import launch_script_args
+
+    return launch_script_args(opts.script_args)
 
 
 def _first(*values: Any) -> Any:

@@ -25,6 +25,8 @@ class XShardConfigError(XShardError, ValueError):
     ``fields`` names the `XShardConfig` fields involved, so a loader can add where each was set.
     """
 
+    one_line = True
+
     def __init__(self, message: str, fields: Iterable[str] = ()) -> None:
         super().__init__(message)
         self.fields = tuple(fields)
@@ -76,7 +78,8 @@ def _number(where: str, value: Any, expected: str) -> float:
     except OverflowError:  # an integer beyond float range
         raise fail(where, value, expected) from None
     if not math.isfinite(number):
-        raise fail(where, value, expected)
+        beyond = " (a number too large to hold, such as 1e400, reads as infinity)" if math.isinf(number) else ""
+        raise fail(where, value, expected + beyond)
     return number
 
 
