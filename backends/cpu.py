@@ -73,6 +73,17 @@ class CPUBackend(Backend):
     def reset_peak_memory_stats(self) -> None:
         """Nothing to reset."""
 
+    def free_memory(self) -> int | None:
+        """The host's available memory (``MemAvailable`` of /proc/meminfo), or None where it has none."""
+        try:
+            with open("/proc/meminfo", encoding="ascii") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return None
+
     def supports(self, dtype: torch.dtype) -> bool:
         # CPU autocast computes in bf16 (and fp16 on recent torch); fp16 matmuls are slow but correct.
         return dtype in (torch.float32, torch.bfloat16, torch.float16)

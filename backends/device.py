@@ -167,6 +167,15 @@ class DeviceAPI:
         """Start a new peak measurement."""
         self.device_module().reset_peak_memory_stats()
 
+    def free_memory(self) -> int | None:
+        """Bytes this process's device could still allocate now, or None where the runtime does not say."""
+        # torch.cuda's and torch.npu's; a device type with no torch module of its own (xla) says nothing
+        mem_get_info = getattr(getattr(torch, self.device_type, None), "mem_get_info", None)
+        if mem_get_info is None:
+            return None
+        free, _total = mem_get_info(self.device())
+        return int(free)
+
     # ------------------------------------------------------------------ precision
     def supports(self, dtype: torch.dtype) -> bool:
         """Can this device compute in ``dtype`` natively (no emulation)? fp32 always; fp16/bf16 per

@@ -126,6 +126,10 @@ class XShardConfig:
     static_shape_multiple: int = _opt(64, "on backends that compile whole graphs (XLA): token batches are padded "
                                           "to a multiple of this width, so there are few shapes to compile "
                                           "(0: off)")
+    generate_gathers_once: bool | str = _opt(
+        "auto", "generate() at stage 3: gather the whole model once for the call (true; memory: the whole model "
+                "in the compute dtype on every rank), every unit at every decoding step (false), or once when "
+                "the whole model fits in the device's free memory (auto)")
     timeout: float = _opt(1800.0, "seconds a collective may wait for the other ranks before the job stops with a "
                                   "message naming the ranks that never arrived (XSHARD_TIMEOUT)")
     log_level: str = _opt("info", "debug, info, warning, error or critical")
@@ -252,6 +256,7 @@ class XShardConfig:
             offload_params=self.offload_params, offload_optimizer=self.offload_optimizer,
             activation_checkpointing=self.activation_checkpointing,
             sync_module_states=self.sync_module_states or broadcast, bucket_size_mb=self.bucket_size_mb,
+            generate_gathers_once=None if self.generate_gathers_once == "auto" else bool(self.generate_gathers_once),
         )
 
 
@@ -290,6 +295,16 @@ def _positive(where: str, value: Any) -> int:
     return parse_int(where, value, 1)
 
 
+def _auto_or_bool(where: str, value: Any) -> bool | str:
+    """"auto", or true/false in any of parse_bool's spellings."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_bool(where, value)
+    except XShardConfigError:
+        raise fail(where, value, "auto, true or false") from None
+
+
 _NORMALISERS: dict[str, Any] = {
     "stage": parse_stage,
     "shard_group_size": parse_group_size,
@@ -317,6 +332,7 @@ _NORMALISERS: dict[str, Any] = {
     "num_nodes": _positive,
     "seed": _optional(lambda w, v: parse_int(w, v, 0)),
     "log_level": _choice(LOG_LEVELS),
+    "generate_gathers_once": _auto_or_bool,
 }
 for _name in ("forward_prefetch", "keep_norms_fp32", "offload_params", "offload_optimizer",
               "activation_checkpointing", "sync_module_states", "async_save"):

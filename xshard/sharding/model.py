@@ -136,10 +136,27 @@ class ShardedModel(nn.Module):
         # on XLA): the backend patches such a call while this model lives (see close()).
         self._step_patch = backend.optimizer_step_patch() if plan.shard_parameters else None
         self._finalizer = weakref.finalize(self, self._step_patch.restore) if self._step_patch else None
-        # each forward gathers over the shard group: generate() keeps every rank stepping (generation.py)
-        self._unwrap_generate = (_generation.install(module, lambda: self._summoned)
+        # each forward gathers over the shard group: generate() gathers the whole model once, or keeps
+        # every rank stepping (generation.py)
+        self._unwrap_generate = (_generation.install(module, lambda: self._summoned, self._generation_decision(),
+                                                     lambda: self.summon_full_params(writeback=False))
                                  if plan.reshard_after_forward.frees and self._rt.world_size > 1 else None)
         self._closed = False
+
+    def _generation_decision(self) -> _generation.GatherDecision:
+        """Does ``generate()`` gather the whole model once? The option, or the backend's free memory against
+        the whole model's compute bytes, agreed by every rank of the shard group."""
+        shard = self.groups.shard
+
+        def agree(fits: bool) -> bool:
+            flag = torch.tensor([1 if fits else 0], dtype=torch.int32, device=self._rt.device)
+            shard.all_reduce(flag, op="min", tag="generate: does the whole model fit on every rank")
+            return bool(flag.item())
+
+        return _generation.GatherDecision(
+            forced=self.options.generate_gathers_once,
+            full_bytes=lambda: sum(sp.full_bytes for unit in self.units for sp in unit.params),
+            free_bytes=self.backend.free_memory, agree=agree)
 
     def _align_replicas(self) -> None:
         """Hybrid sharding: every replica of a shard takes the first replica's values (one broadcast per

@@ -140,6 +140,9 @@ class ShardingOptions:
         model per job rather than per rank, for models too large for that; save with
         ``is_main_process=...`` then.
     bucket_size_mb: all-reduce bucket size at stage 0.
+    generate_gathers_once: ``generate()`` at stage 3 gathers the whole model once for the call (True),
+        every unit at every decoding step (False), or once when the whole model fits in the device's
+        free memory (None, the default; see ``xshard/sharding/generation.py``).
     """
 
     stage: int | str = 3
@@ -163,6 +166,7 @@ class ShardingOptions:
     sync_module_states: bool = False
     state_dict_rank0_only: bool = False
     bucket_size_mb: float = 25
+    generate_gathers_once: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -197,6 +201,9 @@ class ShardingOptions:
                 f"backward_prefetch={self.backward_prefetch!r} is not valid: use one of {BACKWARD_PREFETCH}",
                 ("backward_prefetch",))
         self.backward_prefetch = prefetch
+        if self.generate_gathers_once is not None and not isinstance(self.generate_gathers_once, bool):
+            raise ShardingOptionsError(f"generate_gathers_once={self.generate_gathers_once!r} is not valid: use True, "
+                                       "False or None (once when the model fits)", ("generate_gathers_once",))
         for name, value, what in (("max_inflight_all_gathers", self.max_inflight_all_gathers, "at least 1"),
                                   ("min_num_params", self.min_num_params, "a positive number of parameters")):
             if int(value) < 1:
