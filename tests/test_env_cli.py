@@ -115,8 +115,8 @@ def test_npu_without_torch_npu() -> None:
         assert_one_line_error(proc, "torch_npu is not installed", 'pip install "torch-npu==', "set_env.sh")
 
 
-CHECKS = ("process_group", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "collectives_on_views",
-          "matmul_fp32", "matmul_autocast_bf16", "matmul_autocast_fp16", "train_step_bf16", "train_step_fp16",
+CHECKS = ("job_settings", "process_group", "all_reduce", "all_gather", "reduce_scatter", "broadcast",
+          "collectives_on_views", "matmul_fp32", "matmul_autocast_bf16", "matmul_autocast_fp16", "train_step_bf16", "train_step_fp16",
           "stage3_two_units", "synchronize")
 
 

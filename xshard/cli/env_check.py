@@ -1,6 +1,7 @@
 """`xshard env --check`: the self-test a user runs on real hardware.
 
-``run_checks`` has the backend start its process group (a real one-rank group for one process, so
+``run_checks`` first reads the job's settings as every job started here would (``job_settings``), then has
+the backend start its process group (a real one-rank group for one process, so
 that the collective library itself runs; or the world torchrun started), runs each of the backend's
 collectives and compares with the expected values, also on views at storage offsets, runs a matmul
 in fp32 and in every low precision the device supports against the same product on the CPU, a
@@ -12,7 +13,8 @@ overflowing step), and a ZeRO-3 step of a two-unit model against plain PyTorch (
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -47,6 +49,7 @@ def run_checks(backend: Backend, timeout: float = 60.0) -> list[CheckResult]:
             results.append(CheckResult(name, False, message))
             return False
 
+    check("job_settings", job_settings)
     world = backend.world
     grouped = check("process_group", lambda: _start_group(backend, timeout))
     if grouped:
@@ -79,6 +82,24 @@ def run_checks(backend: Backend, timeout: float = 60.0) -> list[CheckResult]:
     except Exception as exc:
         results.append(CheckResult("teardown", False, f"{type(exc).__name__}: {exc}"))
     return results
+
+
+def job_settings(env: Mapping[str, str] | None = None) -> str:
+    """The settings every job started here reads (``XSHARD_CONFIG``'s file, the ``XSHARD_<FIELD>`` variables):
+    a value that would stop every job (``XSHARD_STAGE=7``, ``XSHARD_TIMEOUT=abc``) fails this check, in the
+    config's own words."""
+    from xshard.config import XShardConfig, XShardConfigError
+    from xshard.config.schema import ENV_PREFIX, FIELD_NAMES
+
+    env = os.environ if env is None else env
+    try:
+        config = XShardConfig.load(None, env=env)
+    except XShardConfigError as exc:
+        raise CheckFailed(str(exc)) from None
+    names = [ENV_PREFIX + name.upper() for name in FIELD_NAMES] + ["XSHARD_CONFIG"]
+    read = ", ".join(name for name in names if name in env) or "no XSHARD_* setting: the defaults"
+    return (f"stage {config.stage}, mixed precision {config.mixed_precision}, timeout {config.timeout:g} s "
+            f"(read {read})")
 
 
 def _start_group(backend: Backend, timeout: float) -> str:

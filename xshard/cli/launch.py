@@ -137,6 +137,7 @@ def job_request(opts: LaunchOptions, env: Mapping[str, str] | None = None) -> tu
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise LaunchError(f"--node_rank {node_rank} must be in 0..{nnodes - 1} (--nnodes {nnodes})")
     world = (nproc or 1) * nnodes
+    _check_world(world, nproc, nnodes)
     if backend.max_world_size is not None and world > backend.max_world_size:
         raise LaunchError(
             f"the {backend.name} backend runs at most {backend.max_world_size} process(es), but --nproc {nproc}"
@@ -196,6 +197,16 @@ def _check_counts(opts: LaunchOptions) -> None:
         raise LaunchError(f"--master_port {opts.master_port}: a TCP port is 1..65535 (0 picks a free one on one node)")
     if opts.join_timeout is not None and opts.join_timeout < 1:
         raise LaunchError(f"--join_timeout {opts.join_timeout}: give the seconds a node waits for the others, at least 1")
+
+
+def _check_world(world: int, nproc: int | None, nnodes: int) -> None:
+    """A job of more processes than any cluster runs (``--nnodes 1000000``) is a typo: refused before anything
+    starts, a dry run included (whose one rank would otherwise hold per-rank state for every rank of it)."""
+    from xshard.config.values import MAX_PROCESSES
+
+    if world > MAX_PROCESSES:
+        raise LaunchError(f"--nproc {nproc or 1} x --nnodes {nnodes} is {world:,} processes, more than any job runs: "
+                          f"give at most {MAX_PROCESSES:,} processes in all")
 
 
 def _mixed_precision(value: str) -> str:

@@ -40,6 +40,7 @@ from xshard.config.fsdp import STATE_DICT, WRAP, read_accelerate, read_hf_fsdp
 from xshard.config.precision_names import parse_dtype, parse_mixed_precision, torch_dtype
 from xshard.config.source import ConfigKind, ConfigSource, parse_text, read_bytes, read_config_source
 from xshard.config.values import (
+    MAX_PROCESSES,
     Reading,
     XShardConfigError,
     XShardConfigWarning,
@@ -295,6 +296,17 @@ def _positive(where: str, value: Any) -> int:
     return parse_int(where, value, 1)
 
 
+def _bounded(minimum: int, maximum: int, why: str) -> Callable[[str, Any], int]:
+    """A count that sizes memory or processes: at most ``maximum`` (``why`` names what it sizes)."""
+    return lambda where, value: parse_int(where, value, minimum, maximum, f" ({why})")
+
+
+#: units gathered at once: each holds its unit's full parameters on the device, and past a few the next unit's
+#: gather is long done before its compute (FSDP's own limit is 2)
+MAX_INFLIGHT_ALL_GATHERS = 64
+_PROCESSES = _bounded(1, MAX_PROCESSES, "processes: more would be more than any job runs")
+
+
 def _auto_or_bool(where: str, value: Any) -> bool | str:
     """"auto", or true/false in any of parse_bool's spellings."""
     if isinstance(value, str) and value.strip().lower() == "auto":
@@ -313,13 +325,14 @@ _NORMALISERS: dict[str, Any] = {
     "transformer_layer_cls_to_wrap": parse_names,
     "min_num_params": _positive,
     "backward_prefetch": _choice(BACKWARD_PREFETCH_NAMES, none="none"),
-    "max_inflight_all_gathers": _positive,
+    "max_inflight_all_gathers": _bounded(1, MAX_INFLIGHT_ALL_GATHERS, "each unit in flight holds its full "
+                                        "parameters on the device"),
     "mixed_precision": parse_mixed_precision,
     "reduce_dtype": parse_dtype,
     "state_dict_type": _choice(STATE_DICT),
     "bucket_size_mb": lambda w, v: parse_float(w, v, 0.0, strict=True),
     "timeout": lambda w, v: parse_float(w, v, 0.0, strict=True),
-    "static_shape_multiple": lambda w, v: parse_int(w, v, 0),
+    "static_shape_multiple": _bounded(0, 1 << 20, "tokens a batch is padded to a multiple of"),
     "gradient_accumulation_steps": _positive,
     "gradient_clipping": lambda w, v: None if v is None else (parse_float(w, v, 0.0) or None),
     "train_micro_batch_size_per_gpu": _optional(_positive),
@@ -328,8 +341,8 @@ _NORMALISERS: dict[str, Any] = {
     "scheduler": parse_section,
     # asked at validation time: backends registered after import (register_backend) count too
     "backend": lambda w, v: parse_choice(w, v, {name: name for name in backend_names()}),
-    "devices": lambda w, v: None if v is None or is_auto(v) else _positive(w, v),
-    "num_nodes": _positive,
+    "devices": lambda w, v: None if v is None or is_auto(v) else _PROCESSES(w, v),
+    "num_nodes": _PROCESSES,
     "seed": _optional(lambda w, v: parse_int(w, v, 0)),
     "log_level": _choice(LOG_LEVELS),
     "generate_gathers_once": _auto_or_bool,

@@ -87,9 +87,19 @@ def _number(where: str, value: Any, expected: str) -> float:
 MAX_INT = 2**63 - 1
 
 
-def parse_int(where: str, value: Any, minimum: int | None = None) -> int:
-    """An integer; JSON's ``2e8`` and strings like "8" are accepted when integral."""
-    expected = "an integer" if minimum is None else f"an integer >= {minimum}"
+#: the most processes a job may have (per node, nodes, in all): far above any cluster, so that a count this large
+#: is a typo, refused before it sizes memory or processes (``xshard estimate`` makes estimates up to the same)
+MAX_PROCESSES = 1 << 20
+
+
+def parse_int(where: str, value: Any, minimum: int | None = None, maximum: int | None = None,
+              why: str = "") -> int:
+    """An integer; JSON's ``2e8`` and strings like "8" are accepted when integral. ``maximum``: the largest
+    accepted, ``why`` says what the bound is for (named in the error)."""
+    if maximum is not None:
+        expected = f"an integer in {minimum if minimum is not None else '...'}..{maximum:,}{why}"
+    else:
+        expected = "an integer" if minimum is None else f"an integer >= {minimum}"
     if isinstance(value, int) and not isinstance(value, bool):
         number = value
     else:
@@ -97,7 +107,7 @@ def parse_int(where: str, value: Any, minimum: int | None = None) -> int:
         if real != int(real):
             raise fail(where, value, expected)
         number = int(real)
-    if minimum is not None and number < minimum:
+    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
         raise fail(where, value, expected)
     if number > MAX_INT:  # no counter holds it (a tensor, a C integer): a typo
         raise fail(where, value, f"{expected} and at most {MAX_INT}")
