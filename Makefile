@@ -72,6 +72,13 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
+# The device check (benchmarks/README.md): xshard measured on one GPU (or NPU: DEVICE_CHECK_ARGS="--device npu";
+# the CPU form: DEVICE_CHECK_ARGS="--device cpu --quick"); report.json and report.md in out/device-check/.
+DEVICE_CHECK_ARGS ?=
+.PHONY: device-check
+device-check: install
+	$(BIN)/python benchmarks/device_check.py $(DEVICE_CHECK_ARGS)
+
 clean:
 	rm -rf $(VENV) $(FLOOR) build *.egg-info .pytest_cache .mypy_cache
 

@@ -141,8 +141,8 @@ def plan(args: argparse.Namespace, facts: dict[str, Any], tmp: str) -> dict[str,
                 name = f"xshard-{stage} {dtype}" + (f" {feature}" if feature else "") + (f" x{world}" if world > 1 else "")
                 correctness.append({"name": name, "impl": "xshard", "stage": stage, "dtype": dtype, "world": world,
                                     "reference_file": ref[dtype], **({feature: True} if feature else {})})
-    model = QUICK_MODEL if q else {**FULL_MODEL, **{k: v for k, v in (("layers", args.layers),
-                                                                         ("hidden", args.hidden)) if v}}
+    sized = {k: v for k, v in (("layers", args.layers), ("hidden", args.hidden)) if v}
+    model = {**(QUICK_MODEL if q else FULL_MODEL), **sized}
     speed = [{"name": "plain PyTorch", "impl": "plain"}, {"name": "FSDP2", "impl": "fsdp2"},
              {"name": "xshard-0", "impl": "xshard", "stage": 0}, {"name": "xshard-3", "impl": "xshard", "stage": 3},
              {"name": "Accelerate", "impl": "accelerate"}]
@@ -238,8 +238,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="torch.compile every speed configuration (not in --quick)")
     parser.add_argument("--out", default="out/device-check", help="folder for report.json and report.md")
     parser.add_argument("--parts", nargs="+", default=list(BUDGETS), help=f"a subset of {', '.join(BUDGETS)}")
-    parser.add_argument("--layers", type=int, help="decoder layers of the speed model (default 16)")
-    parser.add_argument("--hidden", type=int, help="hidden size of the speed model (default 2048)")
+    parser.add_argument("--layers", type=int, help="decoder layers of the speed model (default 16; 2 in --quick)")
+    parser.add_argument("--hidden", type=int, help="hidden size of the speed model (default 2048; 64 in --quick)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
