@@ -74,10 +74,13 @@ typecheck: install
 
 # The device check (benchmarks/README.md): xshard measured on one GPU (or NPU: DEVICE_CHECK_ARGS="--device npu";
 # the CPU form: DEVICE_CHECK_ARGS="--device cpu --quick"); report.json and report.md in out/device-check/.
+# It installs nothing: the project's venv where there is one, else $(PYTHON) (a device machine's own torch
+# build, which a CPU-only venv would not replace offline).
 DEVICE_CHECK_ARGS ?=
+DEVICE_CHECK_PYTHON := $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 .PHONY: device-check
-device-check: install
-	$(BIN)/python benchmarks/device_check.py $(DEVICE_CHECK_ARGS)
+device-check:
+	$(DEVICE_CHECK_PYTHON) benchmarks/device_check.py $(DEVICE_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(FLOOR) build *.egg-info .pytest_cache .mypy_cache

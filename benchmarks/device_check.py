@@ -32,6 +32,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # xshard from this checkout where it is not installed (a device machine)
 from rank_runner import RankFailure, run_ranks, write_result  # noqa: E402
 
 DEVICES = ("cuda", "npu", "cpu")
