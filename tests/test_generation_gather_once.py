@@ -5,7 +5,7 @@ path, TRL's ``ds3_gather_for_generation``), or every unit at every decoding step
   unsharded model's tokens, greedy and sampled with a seed, also when one rank's sequences end (EOS) early;
 - the fast path issues one all-gather per unit for the whole call, the per-unit path one per unit per step;
 - TRL's ``unwrap_model_for_generation`` on a Trainer through ``xshard.trainer.TrainerMixin`` takes the fast
-  path, with xshard's own config and with a ZeRO-3 ds_config (where TRL would gather with DeepSpeed).
+  path, with xshard's own config and with a ZeRO-3 ds_config; its ``ds3_gather_for_generation=False`` the per-unit one.
 """
 
 from __future__ import annotations
@@ -91,3 +91,60 @@ def test_generate_at_stage_3_gathers_once_and_equals_the_unsharded_model_on_both
     assert len(results[1][0]["expected"]["greedy"][0]) == prompt + NEW_TOKENS
     assert results[1][0]["expected"]["greedy"] != results[1][0]["expected"]["sampled"]
     assert results[0][0]["units"] > 1
+
+
+#: a ZeRO-3 ds_config: on DeepSpeed, TRL would gather with deepspeed.zero.GatheredParameters
+ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}
+
+
+def _trl_run(deepspeed, gather: bool, tmp: str, rank: int) -> dict:
+    """A GRPO step's generation: TRL's own config class through the mixin, TRL's unwrap around generate."""
+    from dataclasses import dataclass
+
+    import transformers
+    import trl
+    from trl.models import unwrap_model_for_generation
+
+    import xshard.trainer
+
+    @dataclass
+    class Config(xshard.trainer.TrainingArgumentsMixin, trl.GRPOConfig):
+        pass
+
+    class GRPOLike(xshard.trainer.TrainerMixin, transformers.Trainer):
+        pass
+
+    args = Config(output_dir=tmp, report_to=[], deepspeed=deepspeed, per_device_train_batch_size=2,
+                  num_generations=2, use_cpu=True, ds3_gather_for_generation=gather)
+    trainer = GRPOLike(model=_qwen2(), args=args)
+    model = trainer.accelerator.prepare(trainer.model)
+    model.eval()
+    ids = _ids(rank)
+    model.reset_stats()
+    with unwrap_model_for_generation(model, trainer.accelerator,
+                                     gather_deepspeed3_params=trainer.args.ds3_gather_for_generation) as unwrapped:
+        got = unwrapped.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False).tolist()
+        path = unwrapped.generate.last_path
+    out = {"deepspeed": deepspeed is not None, "gather": gather, "got": got, "path": path, "units": model.stats()["units"],
+           "all_gathers": model.stats()["comm"]["calls"].get("all_gather", 0),
+           "expected": _qwen2().generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False).tolist()}
+    trainer.accelerator.end()
+    return out
+
+
+def _trl_worker(rank: int, world: int, tmp: str) -> list[dict]:
+    return [_trl_run(deepspeed, gather, tmp, rank) for deepspeed, gather in ((None, True), (ZERO3, True), (None, False))]
+
+
+def test_trl_unwrap_model_for_generation_through_the_mixin_takes_the_fast_path(tmp_path) -> None:
+    """Also with a ZeRO-3 ds_config; TRL's ``ds3_gather_for_generation=False`` keeps its meaning (per unit)."""
+    results = run_workers(_trl_worker, 2, str(tmp_path), timeout=240)
+    for rank, per_rank in enumerate(results):
+        for r in per_rank:
+            where = (f"ds_config={r['deepspeed']}, ds3_gather_for_generation={r['gather']}, rank {rank}: "
+                     f"{r['all_gathers']} all-gathers")
+            assert r["got"] == r["expected"], where
+            if r["gather"]:
+                assert r["path"] == "once" and r["all_gathers"] == r["units"], where
+            else:  # TRL's "do not gather": every unit at every step
+                assert r["path"] == "per_unit" and r["all_gathers"] >= (r["units"] - 1) * NEW_TOKENS, where

@@ -40,6 +40,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..runtime.throughput import throughput_values
 from . import checkpoints
 from .runtime import bind_arguments, build_accelerator
+from .trl_generation import route_trl_generation
 
 if TYPE_CHECKING:  # the checker reads the mixin's members on the Trainer it joins; at run time its base is object
     from transformers import Trainer as _TrainerHost
@@ -103,6 +104,7 @@ class TrainerMixin(_TrainerHost):
         view of the processes to it."""
         self.accelerator = build_accelerator(self.args)
         bind_arguments(self.args, self.accelerator)
+        route_trl_generation(self.args, self.accelerator)
         self.gather_function = functools.partial(self.accelerator.gather_for_metrics,
                                                  use_gather_object=self.args.eval_use_gather_object)
 
