@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "device_check.py"
 PARTS = {"correctness", "syncs", "speed", "async_save", "offload"}
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
-def _run(*args: str, timeout: float = 200, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _run(*args: str, timeout: float = 260, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
