@@ -114,9 +114,21 @@ def peak_tflops(facts: dict[str, Any], device: str) -> dict[str, Any]:
 
 def check_fits(spec: dict[str, Any], free_bytes: int) -> dict[str, Any]:
     """xshard's estimate of the speed part's model at stage 0 (the largest need) against the free memory."""
-    from xshard.estimate import estimate_memory, model_size_from_config
+    from xshard.estimate import EstimateError
 
     m = spec["model"]
+    if m["hidden"] % m["heads"] or m["heads"] % m["kv_heads"]:
+        raise BadInput(f"--hidden {m['hidden']} does not split into {m['heads']} attention heads "
+                       f"({m['kv_heads']} key-value heads): give a multiple of {m['heads']}")
+    try:
+        return _fits(m, spec, free_bytes)
+    except EstimateError as exc:
+        raise BadInput(f"the speed model cannot be estimated: {exc}") from None
+
+
+def _fits(m: dict[str, Any], spec: dict[str, Any], free_bytes: int) -> dict[str, Any]:
+    from xshard.estimate import estimate_memory, model_size_from_config
+
     size = model_size_from_config({
         "model_type": "qwen2", "hidden_size": m["hidden"], "num_hidden_layers": m["layers"],
         "num_attention_heads": m["heads"], "num_key_value_heads": m["kv_heads"],

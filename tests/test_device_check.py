@@ -59,7 +59,9 @@ def test_cpu_form_measures_syncs_speed_saves_and_offload(report) -> None:
     speed = parts["speed"]["results"]
     assert set(speed) == {"plain PyTorch", "FSDP2", "xshard-0", "xshard-3", "Accelerate"}
     assert all(r["tokens_per_s"] > 0 and r["mfu"] is not None for r in speed.values()), speed
-    assert parts["async_save"]["results"]["xshard-3 sharded"]["ratio"] is not None
+    saves = parts["async_save"]["results"]["xshard-3 sharded"]
+    # both ways of saving were measured (their ratio is for a device: a stall this small is noise on 2 busy cores)
+    assert len(saves["stalls_s"]["blocking"]) == len(saves["stalls_s"]["async"]) == 1, saves
     assert parts["offload"]["summary"]["slowdown"] > 0
 
 
