@@ -242,10 +242,11 @@ class SyncCounter:
             return
         from support.host_reads import ROOTS
 
-        frames = traceback.extract_stack()[:-1]
+        frames = [f for f in traceback.extract_stack() if f.filename not in (warnings.__file__, __file__)]
         mine = [f for f in frames if os.path.realpath(f.filename).startswith(ROOTS)]
         if mine:
-            self.xshard[f"{Path(mine[-1].filename).name}:{mine[-1].lineno} ({mine[-1].name})"] += 1
+            where = os.path.relpath(os.path.realpath(mine[-1].filename), HERE.parent)
+            self.xshard[f"{where}:{mine[-1].lineno} ({mine[-1].name})"] += 1
         else:
             outside = [f for f in frames if "torch" not in f.filename] or frames
             self.other[f"{Path(outside[-1].filename).name}:{outside[-1].lineno}"] += 1

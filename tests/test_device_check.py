@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,30 @@ def test_the_comparison_fails_a_run_with_wrong_gradients() -> None:
     assert not compare([1.0, 0.5], [4.0, 2.0], state, reference, "fp32")["passed"]  # gradients 2x
     assert not compare([1.0, 0.5], [2.0, 1.0], {"w": torch.ones(3) + 1e-3}, reference, "fp32")["passed"]
     assert compare([1.0, 0.5], [2.0, 1.0], {"w": torch.ones(3) + 1e-3}, reference, "bf16")["passed"]
+
+
+def test_a_device_sync_warning_is_put_on_the_innermost_frame_of_xshard() -> None:
+    """The GPU form's attribution: torch's sync warning, raised below xshard's code, names xshard's line."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from device_check_workers import SyncCounter
+
+    from xshard.sharding.trees import map_tensors
+
+    counter = SyncCounter(torch.device("cpu"))
+    counter.counting = True
+
+    def reads_the_device(t: torch.Tensor) -> torch.Tensor:
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        return t
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = counter._on_warning
+        map_tensors([torch.ones(1)], reads_the_device)  # xshard's frame calls the reading function
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)  # not under xshard
+    [(where, count)] = counter.xshard.items()
+    assert where.startswith("xshard/sharding/trees.py:") and count == 1, counter.xshard
+    assert sum(counter.other.values()) == 1 and all("test_device_check.py" in k for k in counter.other)
 
 
 @pytest.mark.parametrize(("args", "message"), [
