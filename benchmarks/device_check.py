@@ -12,7 +12,8 @@ Qwen2-shaped model (plain PyTorch, xshard 0 and 3, FSDP2, Accelerate), the stall
 against a blocking one, and CPU offload's step time. Writes ``report.json`` and ``report.md`` to ``--out``.
 Each configuration runs in its own process (a fresh device context and memory); ``--quick`` runs a
 part's configurations one after another in one process, so that the CPU form's process start-ups stay few.
-The workers are ``device_check_workers.py``; ``benchmarks/README.md`` says what each part measures.
+The workers are ``device_check_workers.py``, their probes (syncs, profiler) ``device_check_probes.py``;
+``benchmarks/README.md`` says what each part measures.
 """
 
 from __future__ import annotations

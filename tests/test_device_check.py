@@ -81,7 +81,7 @@ def test_the_comparison_fails_a_run_with_wrong_gradients() -> None:
 def test_a_device_sync_warning_is_put_on_the_innermost_frame_of_xshard() -> None:
     """The GPU form's attribution: torch's sync warning, raised below xshard's code, names xshard's line."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from device_check_workers import SyncCounter
+    from device_check_probes import SyncCounter
 
     from xshard.sharding.trees import map_tensors
 
