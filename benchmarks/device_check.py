@@ -240,6 +240,9 @@ def markdown(report: dict[str, Any]) -> str:
         for name, v in body["results"].items():
             lines.append(f"| {name} | " + " | ".join(_cell(v.get(k, "")) for k in keys) + " |")
         lines.append("")
+        lines += [f"- {name}, {k.replace('_', ' ')}: " + (", ".join(f"{where} x{n}" for where, n in v[k].items()) or "none")
+                  for name, v in body["results"].items() for k in sorted(v) if k.endswith("_sources")]
+        lines.append("")
     return "\n".join(lines)
 
 
