@@ -50,7 +50,9 @@ def _run(kind: str, command: list[str], out: Path, trainer: str, *extra: str,
 def _equal(ours: list[tuple[float, ...]], stock: list[tuple[float, ...]]) -> None:
     assert len(ours) == len(stock) == 4
     for step, (mine, theirs) in enumerate(zip(ours, stock, strict=True), 1):
-        assert mine == pytest.approx(theirs, rel=1e-5, abs=1e-7), f"step {step}: {mine} != {theirs}"
+        # abs 2e-6: DPO's reward margin is a difference of two rewards of about 1, whose last bits (fp32, another
+        # summation order) leave it 5e-7 apart, 2e-5 of the margin (measured on one machine)
+        assert mine == pytest.approx(theirs, rel=1e-5, abs=2e-6), f"step {step}: {mine} != {theirs}"
 
 
 @pytest.mark.parametrize("kind", sorted(LEARNT))
