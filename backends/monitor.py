@@ -57,6 +57,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import leave_for_the_launcher
 from .bounded_store import BoundedStore, StoreFailed, StoreUnreachable
 from .flight_recorder import FlightRecorder
 
@@ -516,7 +517,7 @@ def _report_crashes() -> None:
         for monitor in list(_running):
             monitor.publish_crash(error)
             monitor.write_flight(f"this rank's script ended with {monitor.crashed}", ask_peers=True)
-        _tell_the_launcher(error, tb)
+        leave_for_the_launcher(error, tb)  # the launcher names this rank's exception
         previous(kind, error, tb)
 
     sys.excepthook = hook
@@ -536,26 +537,6 @@ def _answer_sigusr1() -> None:
             monitor.write_flight("asked with SIGUSR1")
 
     signal.signal(signal.SIGUSR1, write)
-
-
-def _tell_the_launcher(error: BaseException, tb: Any) -> None:
-    """Write the exception that ends this rank where torchrun's agent reads a worker's error
-    (``TORCHELASTIC_ERROR_FILE``, in the format of torch's ``ErrorHandler``), unless something wrote there
-    already: the launcher then names the rank's exception, and tells a rank that crashed from one that
-    failed because of it (``backends.launchers.torchrun.failure_report``)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or os.path.exists(path):
-        return
-    import traceback
-
-    first = str(error).splitlines()[0] if str(error) else ""
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": f"{type(error).__name__}: {first}", "extraInfo": {
-                "py_callstack": "".join(traceback.format_exception(type(error), error, tb)),
-                "timestamp": str(int(time.time()))}}}, f)
-    except OSError:
-        pass
 
 
 def _lost(lost: dict[int, str]) -> str:

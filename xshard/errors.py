@@ -114,7 +114,7 @@ def report_uncaught_in_one_line(environ: Mapping[str, str] = os.environ) -> None
         if not getattr(error, "one_line", False):
             previous(kind, error, tb)
             return
-        _leave_for_the_launcher(error, environ)
+        leave_for_the_launcher(error, environ=environ)
         print(f"xshard: error: {error}", file=sys.stderr, flush=True)
         # the hooks below still run (launch_marker's: the mark of a failure in xshard's code, read from the
         # traceback), but what they print, Python's own traceback at the end of the chain, is not shown
@@ -129,15 +129,23 @@ def report_uncaught_in_one_line(environ: Mapping[str, str] = os.environ) -> None
     sys.excepthook = hook
 
 
-def _leave_for_the_launcher(error: BaseException, environ: Mapping[str, str]) -> None:
-    """Write ``error`` in the format of torch's ``ErrorHandler`` where torchrun reads it, unless something did."""
+def leave_for_the_launcher(error: BaseException, tb: TracebackType | None = None,
+                           environ: Mapping[str, str] = os.environ) -> None:
+    """Write the exception that ends this process where torchrun's agent reads a worker's error
+    (``TORCHELASTIC_ERROR_FILE``, in the format of torch's ``ErrorHandler``: its first line as the message, the
+    traceback ``tb`` as the call stack, none without it), unless something wrote there already: the launcher then
+    names the rank's exception (``backends.launchers.torchrun.failure_report``)."""
     path = environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or os.path.exists(path):
         return
+    import traceback
+
+    first = str(error).splitlines()[0] if str(error) else ""
+    stack = "".join(traceback.format_exception(type(error), error, tb)) if tb is not None else ""
     try:
         with open(path, "w") as f:
-            json.dump({"message": {"message": f"{type(error).__name__}: {error}", "extraInfo": {
-                "py_callstack": "", "timestamp": str(int(time.time()))}}}, f)
+            json.dump({"message": {"message": f"{type(error).__name__}: {first}", "extraInfo": {
+                "py_callstack": stack, "timestamp": str(int(time.time()))}}}, f)
     except OSError:
         pass
 
