@@ -6,13 +6,12 @@
   whole weights that ``from_pretrained`` loads back bit for bit, with no extra argument;
 - ``summon_full_params()`` lets rank 0 alone ``generate()`` at stage 3, giving plain transformers' tokens;
 - BatchNorm running statistics follow DDP's (rank 0's buffers broadcast before each training forward);
-- ranks whose data sends them through different units get a clear error naming the units and the ranks,
-  in bounded time, at stages 1-3; stage 0 gives DDP's (find_unused_parameters) result instead.
+- ranks whose data sends them through different units train as DDP (find_unused_parameters) does, at
+  stages 0, 2 and 3.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -232,7 +231,6 @@ class Branchy(nn.Module):
 def _divergent_worker(rank: int, world: int, stage: int) -> dict:
     from support.sharding_harness import init_backend
 
-    from xshard.errors import CollectiveMismatchError
     from xshard.sharding import ShardingOptions, shard_model
 
     backend = init_backend()
@@ -240,28 +238,12 @@ def _divergent_worker(rank: int, world: int, stage: int) -> dict:
     model = shard_model(Branchy(), backend, ShardingOptions(stage=stage, auto_wrap_policy="transformer"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model.register_optimizer(opt)
-    start = time.monotonic()
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
-    try:
-        model(x, go_left=(rank == 0)).pow(2).mean().backward()  # the data sends the ranks different ways
-        opt.step()
-    except CollectiveMismatchError as exc:
-        return {"error": str(exc), "seconds": time.monotonic() - start}
+    model(x, go_left=(rank == 0)).pow(2).mean().backward()  # the data sends the ranks different ways
+    opt.step()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     backend.destroy_process_group()
     return {"state": state}
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("stage", [2, 3])
-def test_ranks_running_different_units_get_a_clear_error(stage: int) -> None:
-    results = run_workers(_divergent_worker, 2, stage, timeout=120)
-    for rank, r in enumerate(results):
-        assert "error" in r, f"rank {rank} trained on although the ranks ran different units"
-        assert r["seconds"] < 60
-        message = r["error"]
-        assert "unit left" in message and "unit right" in message and "rank 0" in message and "rank 1" in message
-        assert "summon_full_params" in message
 
 
 def _ddp_branchy(rank: int, world: int) -> dict:
@@ -285,8 +267,11 @@ def _ddp_branchy(rank: int, world: int) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_stage0_allows_different_branches_per_rank_as_ddp() -> None:
-    ours = run_workers(_divergent_worker, 2, 0, timeout=120)
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_ranks_taking_different_branches_train_as_ddp(stage: int) -> None:
+    # each rank's data picks a unit the other does not run: at stages 1-3 the rank that skipped a unit still
+    # gathers and reduces it with the others (tests/test_divergent_paths.py covers the cases in depth)
+    ours = run_workers(_divergent_worker, 2, stage, timeout=120)
     ddp = run_workers(_ddp_branchy, 2, timeout=120)
     for r, d in zip(ours, ddp, strict=True):
         assert "state" in r, r.get("error")

@@ -63,6 +63,11 @@ class Engine(ABC):
         """Zero the prefetch counters."""
         self.prefetched = self.peak_in_flight = 0
 
+    def units_passed(self) -> int:
+        """Units whose collectives this rank took part in without running them (ranks on different paths:
+        ``canonical.py``), since the counters were zeroed."""
+        return 0
+
     @abstractmethod
     def remove_hooks(self) -> None:
         """Detach from the model (idempotent)."""

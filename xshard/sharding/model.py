@@ -352,13 +352,15 @@ class ShardedModel(nn.Module):
         ``reshard_after_forward=k`` moves backward's all-gathers to ``all_gather_post_forward``
         (psi_k - psi_k,root, psi_k padded to k shards) inside groups of k ranks, leaving psi in
         ``all_gather``. ``state_bytes``: see ``stats.py``. ``gathers``: all-gathers issued ahead of
-        need and the most units held at once.
+        need, the most units held at once, and the units passed (gathered and reduced for the ranks that
+        ran them, in forward and in backward, by a rank whose batch skipped them: ``canonical.py``).
         """
         return {
             "comm": self.collectives.counter.snapshot(),
             "state_bytes": _stats.state_bytes(self),
             "units": self._num_units,
-            "gathers": {"prefetched": self._engine.prefetched, "peak_in_flight": self._engine.peak_in_flight},
+            "gathers": {"prefetched": self._engine.prefetched, "peak_in_flight": self._engine.peak_in_flight,
+                        "passed": self._engine.units_passed()},
             "stage": self.plan.stage,
             "world_size": self.collectives.world_size,
             "shard_group_size": self.plan.shard_group_size,

@@ -29,9 +29,13 @@ torch.compile: the hooks are ``torch.compiler.disable``d, so a compiled model (o
 runs them eagerly at graph breaks around each unit, and the compiled graphs see ordinary Parameters
 (the full copies, the same objects every step, so no recompilation).
 
-Collectives are issued in the same order on every rank as long as every rank runs the same units in
-the same order; ``Collectives.verify_same_collectives`` (called before each optimizer step) turns a
-rank that did not into a clear error instead of silently mixed-up gradients.
+Ranks on different paths: every rank issues its units' collectives in one canonical order
+(``canonical.py``), whatever its forward ran. A unit this rank skipped (a branch its batch did not take)
+is *passed* where it comes in that order: the same calls its hooks would make (gather, prefetch,
+free; in backward gather and reduce zeros), with no computation. Prefetching follows the canonical order
+too. ``Collectives.verify_same_collectives`` (called before each optimizer step) turns ranks whose
+sequences still differ (an order that truly differs between ranks) into a clear error instead of
+silently mixed-up gradients.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Any
 import torch
 from torch.autograd import Variable
 
+from .canonical import CanonicalOrder
 from .engine import Engine
 from .options import ShardingOptions
 from .plan import ReduceTiming, ShardingPlan
@@ -81,7 +86,9 @@ class ShardedEngine(Engine):
         if self.root.rt.compiles_graphs:  # the compiler orders the fenced gathers (see Runtime.compiles_graphs)
             self.forward_prefetch, self.backward_prefetch = False, None
         self.max_inflight = int(options.max_inflight_all_gathers)
-        self.order: list[Unit] = []  # non-root units in the last forward's order
+        #: the order every rank issues the non-root units' collectives in (ranks on different paths)
+        rt = self.root.rt
+        self.canonical = CanonicalOrder(units[1:], peers=rt.collectives.world_size > 1 or rt.replicas is not None)
         self._recording: list[Unit] = []
         self._reduces: deque[PendingReduce] = deque()
         self._callback_queued = False
@@ -112,6 +119,13 @@ class ShardedEngine(Engine):
     def zero_grad(self) -> None:
         for unit in self.units:
             unit.drop_full_grads()
+
+    def reset_counters(self) -> None:
+        super().reset_counters()
+        self.canonical.passes = 0
+
+    def units_passed(self) -> int:
+        return self.canonical.passes
 
     # ------------------------------------------------------------------ prefetch
     def _inflight(self) -> int:
@@ -152,13 +166,14 @@ class ShardedEngine(Engine):
             return None
         if unit.is_root:
             self._recording = []
-        elif unit not in self._recording:
-            self._recording.append(unit)
-        unit.refresh_trainable()
-        unit.wait_gather(after=tensors_in((args, kwargs)))
-        self._note_in_flight()
-        if self.forward_prefetch:
-            self._prefetch(self._after(unit, self.order))
+            self.canonical.begin_forward()
+        else:
+            if unit not in self._recording:
+                self._recording.append(unit)
+            if self.canonical.in_forward:
+                for skipped in self.canonical.reach(unit, torch.is_grad_enabled()):
+                    self._pass_forward(skipped)
+        self._gather_for_forward(unit, after=tensors_in((args, kwargs)))
         unit.swap_in()
         dtype = self.plan.precision.param_dtype
         args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
@@ -168,13 +183,29 @@ class ShardedEngine(Engine):
             args, kwargs = replace_grad_tensors((args, kwargs), lambda ts: _PostBackward.apply(callback, *ts))
         return args, kwargs
 
+    def _gather_for_forward(self, unit: Unit, after: list[torch.Tensor] | tuple = ()) -> None:
+        unit.refresh_trainable()
+        unit.wait_gather(after=after)
+        self._note_in_flight()
+        if self.forward_prefetch:
+            self._prefetch(self._after(unit, self.canonical.units))
+
+    def _pass_forward(self, unit: Unit) -> None:
+        """What ``unit``'s forward hooks do, for a unit this rank skips: its gather is every rank's collective."""
+        self._gather_for_forward(unit)
+        if self.plan.reshard_after_forward.frees:
+            unit.reshard(keep_post_forward=torch.is_grad_enabled())
+
     @torch.compiler.disable
     def _post_forward(self, unit: Unit, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self._summoned or unit.backward is BackwardState.RUNNING:
             return None
+        if unit.is_root and self.canonical.in_forward:  # the units after the last one reached are passed
+            for skipped in self.canonical.end_forward(torch.is_grad_enabled()):
+                self._pass_forward(skipped)
+            if self._recording:
+                self.canonical.learn(self._recording)
         unit.swap_out()
-        if unit.is_root and self._recording:
-            self.order = self._recording
         grad_outputs = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
         backward_follows = bool(grad_outputs)
         if self.plan.reshard_after_forward.frees and not (unit.is_root and backward_follows):
@@ -237,12 +268,25 @@ class ShardedEngine(Engine):
         self._queue_final_callback()
         if unit.backward is not BackwardState.IDLE:
             return
+        if not unit.is_root:
+            for skipped in self.canonical.reach_backward(unit):
+                self._pass_backward(skipped)
+        self._gather_for_backward(unit)
+        unit.swap_in()  # activation-checkpointing recompute reads the module's parameters
+
+    def _gather_for_backward(self, unit: Unit) -> None:
         unit.backward = BackwardState.RUNNING
         unit.wait_gather()
         self._note_in_flight()
-        unit.swap_in()  # activation-checkpointing recompute reads the module's parameters
         if self.backward_prefetch == "pre":
-            self._prefetch(self._after(unit, self.order[::-1]))
+            self._prefetch(self._after(unit, self.canonical.reverse))
+
+    def _pass_backward(self, unit: Unit) -> None:
+        """What ``unit``'s backward hooks do on the ranks that ran it, for a unit this rank skipped in
+        forward: gathered as they gather it, reduced with no gradient (zeros and a "none here" flag)."""
+        if self.canonical.gathered_in_backward(unit):
+            self._gather_for_backward(unit)
+        self._unit_backward_done(unit)
 
     @torch.compiler.disable
     def _post_backward(self, unit: Unit) -> None:
@@ -250,7 +294,7 @@ class ShardedEngine(Engine):
         if unit.pending_backward_calls <= 0 and not (unit.is_root and self._root_reduced_last):
             self._unit_backward_done(unit)
 
-    def _unit_backward_done(self, unit: Unit) -> None:
+    def _unit_backward_done(self, unit: Unit, prefetch: bool = True) -> None:
         if unit.backward is BackwardState.DONE:
             return
         unit.backward = BackwardState.DONE
@@ -259,8 +303,8 @@ class ShardedEngine(Engine):
             self._reduce(unit)
         if self.plan.reshard_after_forward.frees:
             unit.reshard()
-        if self.backward_prefetch == "post":
-            self._prefetch(self._after(unit, self.order[::-1]))
+        if prefetch and self.backward_prefetch == "post":
+            self._prefetch(self._after(unit, self.canonical.reverse))
 
     def _reduce(self, unit: Unit) -> None:
         while len(self._reduces) >= _MAX_REDUCES_IN_FLIGHT:
@@ -276,8 +320,10 @@ class ShardedEngine(Engine):
     @torch.compiler.disable
     def _finish_backward(self) -> None:
         self._callback_queued = False
+        for skipped in self.canonical.end_backward():
+            self._pass_backward(skipped)
         for unit in reversed(self.units):  # fixed order: the same collectives on every rank
-            self._unit_backward_done(unit)
+            self._unit_backward_done(unit, prefetch=False)  # nothing left to overlap a gather with
         if self.sync and self.plan.reduce_timing is ReduceTiming.END_OF_BACKWARD:
             for unit in reversed(self.units):
                 self._reduce(unit)
