@@ -208,3 +208,35 @@ def test_ranks_on_different_branches_train_as_plain_pytorch(world: int, cases: d
         per_rank = [results[rank][i] for rank in range(world)]
         _assert_like_reference(per_rank, reference(c, world), f"{world} ranks, {label}")
         assert all(r["passed"] > 0 for r in per_rank[1:]), f"{label}: the ranks after 0 passed no unit"
+
+
+def _generate_per_unit(rank: int, world: int) -> dict[str, Any]:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from xshard.backends import get_backend
+    from xshard.sharding import ShardingOptions, shard_model
+
+    def t5() -> T5ForConditionalGeneration:
+        torch.manual_seed(0)
+        config = T5Config(vocab_size=40, d_model=16, d_ff=24, d_kv=8, num_layers=2, num_heads=2,
+                          decoder_start_token_id=0, pad_token_id=0, initializer_factor=8.0)
+        return T5ForConditionalGeneration(config).eval()
+
+    backend = get_backend("cpu")
+    backend.init_process_group(timeout=60)
+    ids = torch.randint(2, 40, (1, 7), generator=torch.Generator().manual_seed(10 + rank))
+    sm = shard_model(t5(), backend, ShardingOptions(stage=3, generate_gathers_once=False,
+                                                    transformer_layer_cls_to_wrap=["T5Block"]))
+    sm.reset_stats()
+    got = sm.module.generate(ids, max_new_tokens=6, do_sample=False).tolist()
+    passed = sm.stats()["gathers"]["passed"]
+    backend.destroy_process_group()
+    return {"got": got, "expected": t5().generate(ids, max_new_tokens=6, do_sample=False).tolist(), "passed": passed}
+
+
+def test_generation_step_by_step_passes_no_encoder_unit() -> None:
+    # an encoder-decoder's generate() runs the encoder once, outside the model's forward, then decoding steps
+    # whose forwards skip the encoder on every rank: those units are not gathered again at each step
+    for rank, r in enumerate(run_workers(_generate_per_unit, 2, timeout=240)):
+        assert r["got"] == r["expected"], f"rank {rank}"
+        assert r["passed"] == 0, f"rank {rank} passed {r['passed']} units while generating"

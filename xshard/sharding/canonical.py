@@ -49,6 +49,9 @@ class CanonicalOrder:
         self._next = 0
         self._reached: set[Unit] = set()
         self._in_forward = False
+        # units run outside the root's forward (an encoder that generate() calls once, before its decoding
+        # steps' forwards skip it on every rank): not passed in the root's forwards that follow
+        self._outside: set[Unit] = set()
         # since the last backward: units passed in a forward with gradients on, units run in one
         self._passed: set[Unit] = set()
         self._ran: set[Unit] = set()
@@ -72,8 +75,20 @@ class CanonicalOrder:
         placed in the order)."""
         return self._in_forward
 
-    def begin_forward(self) -> None:
-        self._next, self._reached, self._in_forward = 0, set(), True
+    def begin_forward(self, grad: bool) -> None:
+        """The root's forward begins. Without gradients (generation) the units of the call outside it just
+        before count as reached; a training forward passes whatever it skips."""
+        self._next, self._reached, self._in_forward = 0, set() if grad else set(self._outside), True
+
+    def begin_outside_call(self) -> None:
+        """A call of part of the model outside the root's forward begins (``get_encoder()(...)``)."""
+        self._outside = set()
+
+    def reach_outside(self, unit: Unit, grad: bool) -> None:
+        """``unit`` runs in a call outside the root's forward (no unit is passed there)."""
+        self._outside.add(unit)
+        if grad:
+            self._ran.add(unit)
 
     def reach(self, unit: Unit, grad: bool) -> list[Unit]:
         """``unit``'s forward begins: the units to pass before it (skipped by this rank, before it in the order)."""
@@ -144,7 +159,7 @@ class CanonicalOrder:
         skipped = [u for u in self.reverse[self._next_back:] if u in pending]
         self.passes += len(skipped)
         self._next_back, self._to_pass, self._grad_upstream = 0, None, None
-        self._passed, self._ran = set(), set()
+        self._passed, self._ran, self._outside = set(), set(), set()
         return skipped
 
     def _backward_pending(self) -> set[Unit]:

@@ -166,13 +166,15 @@ class ShardedEngine(Engine):
             return None
         if unit.is_root:
             self._recording = []
-            self.canonical.begin_forward()
+            self.canonical.begin_forward(torch.is_grad_enabled())
         else:
             if unit not in self._recording:
                 self._recording.append(unit)
             if self.canonical.in_forward:
                 for skipped in self.canonical.reach(unit, torch.is_grad_enabled()):
                     self._pass_forward(skipped)
+            else:
+                self.canonical.reach_outside(unit, torch.is_grad_enabled())
         self._gather_for_forward(unit, after=tensors_in((args, kwargs)))
         unit.swap_in()
         dtype = self.plan.precision.param_dtype
@@ -230,6 +232,7 @@ class ShardedEngine(Engine):
         root.wait_gather(after=tensors_in((args, kwargs)))
         root.swap_in()
         self._off_forward_owner = module
+        self.canonical.begin_outside_call()
         dtype = self.plan.precision.param_dtype
         return cast_floating(args, dtype), cast_floating(kwargs, dtype)
 
