@@ -131,8 +131,8 @@ ROWS: dict[str, Row] = {
     "ddp_backend": Row("warned", "the backend XSHARD_BACKEND selects picks its collective library", _WARNED),
     "ddp_broadcast_buffers": Row("warned", "buffers are always broadcast from rank 0, as DDP's default does", _WARNED),
     "ddp_static_graph": Row("warned", "nothing to declare: xshard's hooks follow the graph each step", _WARNED),
-    "ddp_find_unused_parameters": Row("warned", "not needed: stage 0 allows unused parameters; at stages 1-3 every rank "
-                                                "runs the same units", _WARNED),
+    "ddp_find_unused_parameters": Row("warned", "not needed: ranks whose batches skip units train at every stage as "
+                                                "DDP with it on", _WARNED),
     "save_on_each_node": Row("warned", "one process writes each checkpoint (use a file system every node sees)",
                              _WARNED),
     # -- refused

@@ -322,8 +322,8 @@ _UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "ddp_broadcast_buffers": ((None, True), "buffers are always broadcast from rank 0, as DDP's default does"),
     "ddp_static_graph": ((None, False), "nothing to declare: xshard's hooks follow the graph each step"),
     "save_on_each_node": ((False,), "one process writes each checkpoint (use a file system every node sees)"),
-    "ddp_find_unused_parameters": ((None, False), "not needed: stage 0 allows unused parameters; at stages 1-3 "
-                                                  "every rank must run the same units"),
+    "ddp_find_unused_parameters": ((None, False), "not needed: ranks whose batches skip units train at every "
+                                                  "stage as DDP with it on"),
 }
 
 
