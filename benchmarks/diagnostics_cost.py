@@ -5,7 +5,10 @@
 
 Two numbers, both from the same sitting:
 - ``verify``: one ``Collectives.verify_same_collectives()`` call (what a prepared optimizer runs before
-  each step: one tiny all-reduce and a host read), timed directly over many calls;
+  each step: after the first step it hands the step's record (count and fingerprint of its collectives) to
+  the monitor's thread, which compares the ranks' records through the store; the first step, and every step
+  with ``XSHARD_CHECK_COLLECTIVES=every-step``, is checked at once with one tiny all-reduce and a host read:
+  ``backends/collectives/agreement.py``), timed directly over many calls;
 - the monitor (hang diagnosis, ``XSHARD_MONITOR``): the median step time of a stage-3 training step with
   the monitor on and off, in alternating rounds (fresh processes each), printed as a ratio.
 Prints one JSON object per configuration and a table.
