@@ -27,10 +27,18 @@ ever (``backends/bounded_store.py``), so each store call gives up after a bound 
 Ranks that issued different collectives are named here too: a wait that lasts ``EARLY_LOOK_S`` reads the
 reference peer's entry (rank 0's; rank 1's for rank 0), and a peer at the same collective number with another
 description cannot complete this one: the mismatch is logged at once (``report_mismatch``), not at the
-deadline, and the wait, when it fails, raises ``CollectiveMismatchError``. The collectives agreement check
-(``collectives/agreement.py``) runs its store calls on this thread too (``beat_work``).
+deadline, with where every rank is (each one's entry read then: its collective, whether it waits in it, and
+the line of the user's code it waits from), and the wait, when it fails, raises ``CollectiveMismatchError``.
+The collectives agreement check (``collectives/agreement.py``) runs its store calls on this thread too
+(``beat_work``).
 
-Cost: the main thread only stores a small tuple when a wait starts and ends; a daemon thread
+Where a rank waits from (``where``: "train.py:42 in main") is the innermost frame of the waiting thread that is
+not xshard's, torch's, the standard library's or an installed package's (the first that is not xshard's or
+torch's where every frame is one of those). The monitor's thread reads it (``sys._current_frames``) when it
+publishes a wait, while the waiting thread is blocked in it, so the training path only records which thread
+waits; a wait that ended meanwhile is published without it.
+
+Cost: the main thread only stores a small tuple (and its thread's id) when a wait starts and ends; a daemon thread
 publishes it about once a second when it changed (and a heartbeat every few seconds) and checks the
 deadline; a second one makes the store calls. No store traffic happens on the training path, and no
 thread starts or ends while the job trains (a fork then could hang: ``backends/bounded_store.py``).
@@ -80,13 +88,18 @@ LEARN_UP_TO, LEARN_TRIES = 64, 30
 
 #: how long the main thread waits in a collective before the monitor asks whether a peer issued another one there
 EARLY_LOOK_S = 3.0
+#: how many of its latest collectives a waiting rank publishes with its wait (``_differ``)
+RECENT = 16
 #: what to do about ranks that issue different collectives
 MISMATCH_HINT = (
-    "Every rank must run the same sharded units in the same order: a branch chosen by the data (or by "
-    "the rank) that runs a unit on some ranks only mixes up their gradients. Keep such branches inside "
-    "one unit (e.g. make their parent module the unit with transformer_layer_cls_to_wrap), or use stage "
-    "0, which allows them; to run the model on one rank alone (e.g. generate() on rank 0), enter "
-    "model.summon_full_params() on every rank first.")
+    "Every rank must issue the same collectives in the same order. Look for: a collective of the script's own "
+    "issued on some ranks only (e.g. accelerator.gather, reduce or wait_for_everyone under `if "
+    "accelerator.is_main_process:`: call it on every rank, and use its result on one); a model whose units run "
+    "in a different order on different ranks, or one unit called a different number of times (a branch may "
+    "skip a unit on some ranks, not reorder or repeat one: make the order the same on every rank, or make the "
+    "modules that differ part of one unit, e.g. their parent with transformer_layer_cls_to_wrap); a different "
+    "model on each rank (build and prepare the same one everywhere). To run the model on one rank alone (e.g. "
+    "generate() on rank 0), enter model.summon_full_params() on every rank first.")
 
 #: every monitor of this process whose thread runs (each thread holds its monitor while it runs)
 _running: weakref.WeakSet[CollectiveMonitor] = weakref.WeakSet()
@@ -121,8 +134,12 @@ class CollectiveMonitor:
         self.interval = interval
         #: (number, description, waiting, wall-clock time of the last change), set by the main thread
         self.state: tuple[int, str, bool, float] = (0, "nothing yet", False, time.time())
+        #: the id of the thread that waits (``state``'s wait), set by that thread with it
+        self._waiter: int | None = None
+        #: where the user's code waits in ``state``'s wait ("train.py:42 in main"), as read for that state object
+        self._where: tuple[tuple[int, str, bool, float] | None, str | None] = (None, None)
         self.diagnosis: str | None = None
-        self._published: tuple[int, str, bool, float] | None = None
+        self._published: tuple[tuple[int, str, bool, float], str | None] | None = None
         self._published_at = 0.0
         self._beat = 0
         self._host = socket.gethostname()
@@ -153,6 +170,7 @@ class CollectiveMonitor:
     # ------------------------------------------------------------------ main thread
     def waiting(self, number: int, description: str) -> None:
         """The main thread starts waiting for collective ``number``."""
+        self._waiter = threading.get_ident()
         self.state = (number, description, True, time.time())
 
     def done(self, number: int, description: str) -> None:
@@ -185,19 +203,67 @@ class CollectiveMonitor:
 
     def _compare_waits(self, number: int, description: str) -> None:
         """This rank waits in collective ``number``: if the reference peer (rank 0; rank 1 for rank 0) issued a
-        different collective under that number, neither can complete: name it now, not at the deadline.
-        One store read every ``HEARTBEAT`` of a wait that lasts ``EARLY_LOOK_S`` or more."""
+        different collective under that number, neither can complete: name it now, not at the deadline, with
+        where every rank is (every entry read once, then). One store read every ``HEARTBEAT`` of a wait that
+        lasts ``EARLY_LOOK_S`` or more."""
         peer = 1 if self.rank == 0 else 0
         key = _KEY.format(rank=peer)
         text = self.store.run(lambda store: store.get(key) if store.check([key]) else None)
         entry = json.loads(text) if text is not None else None
-        if entry is None or entry["number"] != number or entry["description"] == description:
+        differ = self._differ(number, description, entry) if entry is not None else None
+        if differ is None:
             return
-        message = (f"ranks issued different collectives: at collective #{number} of the job, rank {self.rank} issued "
-                   f"{description!r} and rank {peer} {entry['description']!r}, which cannot complete each other. "
-                   + MISMATCH_HINT)
+        at, mine, theirs = differ
+        try:
+            entries = self._read_entries()
+        except (StoreUnreachable, StoreFailed):  # the pair is known: name it with what was read
+            entries = {peer: entry}
+        message = (f"ranks issued different collectives: at collective #{at} of the job, rank {self.rank} issued "
+                   f"{mine!r} and rank {peer} {theirs!r}, which cannot complete each other. "
+                   f"Where each rank is: {self._where_each(entries)}. " + MISMATCH_HINT)
         self._diagnosed_for, self._diagnosed_dead, self.diagnosis = number, False, message
         self.report_mismatch(message)
+
+    def _differ(self, number: int, description: str, entry: dict[str, Any]) -> tuple[int, str, str] | None:
+        """(the number, this rank's collective, the peer's) where this rank, waiting in ``number``, and the peer of
+        ``entry`` issued different collectives under one number: the one they wait in, or, when they wait in
+        different ones, the one the other issued among its latest (``recent``: ranks wait in collectives issued
+        ahead, so one may wait in #45 while the other, whose #44 never paired, waits in #44)."""
+        if entry["number"] == number:
+            return None if entry["description"] == description else (number, description, entry["description"])
+        theirs = dict(map(tuple, entry.get("recent", ()))).get(number)
+        if theirs is not None and theirs != description:
+            return number, description, theirs
+        mine = dict(self._recent()).get(entry["number"])
+        if mine is not None and mine != entry["description"]:
+            return entry["number"], mine, entry["description"]
+        return None
+
+    def _recent(self) -> list[tuple[int, str]]:
+        """This rank's latest ``RECENT`` collectives, (number, description), from its flight recorder."""
+        if self.flight is None:
+            return []
+        return [(e.number, e.tag or e.kind) for e in list(self.flight.entries)[-RECENT:]]
+
+    def _where_each(self, entries: dict[int, dict[str, Any] | None]) -> str:
+        """Every rank's collective as ``entries`` (and this rank's state) say, ranks in the same place together:
+        "rank 0 at #57 'all-gather of unit left', waiting in it, from train.py:40 in forward; rank 1 ..."."""
+        number, description, waiting, _ = state = self.state
+        mine: dict[str, Any] = {"number": number, "description": description, "waiting": waiting,
+                                "where": self._where[1] if self._where[0] is state else None}
+        places: dict[tuple[Any, ...], list[int]] = {}
+        for r, e in sorted({**entries, self.rank: mine}.items()):
+            place = (None,) if e is None else (e["number"], e["description"], e["waiting"], e.get("where"))
+            places.setdefault(place, []).append(r)
+        parts = []
+        for place, ranks in places.items():
+            if place == (None,):
+                parts.append(f"{_ranks(ranks)}: no progress published")
+                continue
+            n, what, waits, where = place
+            parts.append(f"{_ranks(ranks)} at #{n} {what!r}, {'waiting in it' if waits else 'finished it'}"
+                         + (f", from {where}" if where else ""))
+        return "; ".join(parts)
 
     def publish_crash(self, error: BaseException) -> None:
         """This rank ends with ``error``: say so in its entry, so that its peers name it crashed, with why."""
@@ -286,16 +352,35 @@ class CollectiveMonitor:
 
     def _publish(self) -> None:
         state = self.state
-        if state != self._published or time.monotonic() - self._published_at >= HEARTBEAT:
+        where = self._where_of(state)
+        if (state, where) != self._published or time.monotonic() - self._published_at >= HEARTBEAT:
             number, description, waiting, since = state
             self._beat += 1
             entry = {"number": number, "description": description, "waiting": waiting, "since": since,
                      "host": self._host, "pid": os.getpid(), "beat": self._beat}
+            if where is not None:
+                entry["where"] = where
+            if waiting:  # what it issued ahead of the wait (``_differ``)
+                entry["recent"] = self._recent()
             if self.crashed is not None:
                 entry["crashed"] = self.crashed
             text = json.dumps(entry)
-            self._published, self._published_at = state, time.monotonic()
+            self._published, self._published_at = (state, where), time.monotonic()
             self.store.run(lambda store: store.set(_KEY.format(rank=self.rank), text))
+
+    def _where_of(self, state: tuple[int, str, bool, float]) -> str | None:
+        """Where the user's code waits in ``state``'s wait (None where it does not wait, or the wait ended before
+        its thread's frames were read): read once for each wait, on this thread (see the module docstring)."""
+        if not state[2]:
+            return None
+        if self._where[0] is not state:
+            frame = sys._current_frames().get(self._waiter) if self._waiter is not None else None
+            where = user_frame(frame) if frame is not None else None
+            del frame
+            if self.state is not state:  # the wait ended while its frames were read: they may be another's
+                return None
+            self._where = (state, where)
+        return self._where[1]
 
     def _learn_peers(self) -> None:
         """Read the peers' entries until each was seen once (their hosts and pids), in a job of at most
@@ -470,7 +555,83 @@ class CollectiveMonitor:
 def _last_collective(entry: dict[str, Any], now: float) -> str:
     """Where a rank's entry says it is: "its last collective is #N, what it moves, waiting in it" (or finished)."""
     state = "waiting in it" if entry["waiting"] else f"finished {now - entry['since']:.0f} s ago"
-    return f"its last collective is #{entry['number']}, {entry['description']}, {state}"
+    where = f", from {entry['where']}" if entry.get("where") else ""
+    return f"its last collective is #{entry['number']}, {entry['description']}, {state}{where}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    """"rank 3", "ranks 0, 2-5" (runs of consecutive ranks as ranges)."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
+
+
+#: how a frame's file counts when naming where a collective waits from (``user_frame``)
+_INTERNAL, _LIBRARY, _USER = 0, 1, 2
+#: file name -> how it counts, learnt as frames are met (a file is classified once)
+_file_kinds: dict[str, int] = {}
+_prefixes: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+_PACKAGE_DIRS = ("site-packages", "dist-packages")
+
+
+def _kind_of(filename: str) -> int:
+    """Whether ``filename`` is xshard's or torch's (internal), the standard library's or an installed
+    package's (library), or the user's."""
+    global _prefixes
+    if _prefixes is None:
+        import sysconfig
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        internal = {here}  # backends/, however it was reached (xshard/backends is a link to it)
+        for module in ("xshard", "torch"):
+            loaded = sys.modules.get(module)
+            if loaded is not None and getattr(loaded, "__file__", None):
+                internal.add(os.path.dirname(os.path.abspath(loaded.__file__)))
+        internal |= {os.path.realpath(d) for d in internal}
+        paths = sysconfig.get_paths()
+        library = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k)}
+        library |= {os.path.realpath(d) for d in library}
+        _prefixes = (tuple(d.rstrip(os.sep) + os.sep for d in internal),
+                     tuple(d.rstrip(os.sep) + os.sep for d in library) + ("<frozen",))
+    internal_dirs, library_dirs = _prefixes
+    if filename.startswith(internal_dirs):
+        return _INTERNAL
+    if filename.startswith(library_dirs) or any(f"{os.sep}{d}{os.sep}" in filename for d in _PACKAGE_DIRS):
+        return _LIBRARY
+    return _USER
+
+
+def user_frame(frame: Any) -> str | None:
+    """Where the user's code is in the stack that ``frame`` ends: "train.py:42 in main" for the innermost frame
+    that is neither xshard's, torch's, the standard library's nor an installed package's (failing that, the
+    innermost that is neither xshard's nor torch's; None where every frame is theirs). The file is named
+    relative to the working directory when it lies under it."""
+    fallback = None
+    while frame is not None:
+        code = frame.f_code
+        kind = _file_kinds.get(code.co_filename)
+        if kind is None:
+            kind = _file_kinds[code.co_filename] = _kind_of(code.co_filename)
+        if kind == _USER:
+            break
+        if kind == _LIBRARY and fallback is None:
+            fallback = frame
+        frame = frame.f_back
+    frame = frame if frame is not None else fallback
+    if frame is None:
+        return None
+    path = frame.f_code.co_filename
+    try:
+        relative = os.path.relpath(path)
+        path = relative if not relative.startswith(os.pardir) else path
+    except ValueError:  # another drive (Windows), or no file
+        pass
+    return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def _other_nodes(rank: int, world_size: int) -> str:
