@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.distributed import run_workers
+from support.save_crash import EXIT_CODE
 from test_checkpoint import _job, _plain, _steps
 
 from xshard.checkpoint import CheckpointError, latest_checkpoint
@@ -114,13 +115,13 @@ import os, sys
 sys.path.insert(0, sys.argv[2])
 from pathlib import Path
 from test_checkpoint import _job, _steps
-from xshard.checkpoint.files import FAIL_AFTER_ENV
+from support.save_crash import die_after_files
 folder = Path(sys.argv[1])
 acc, model, opt, loader, sched = _job(1)
 _steps(acc, model, opt, loader, sched, 2)
 acc.save_state(folder / "checkpoint-2")
 _steps(acc, model, opt, loader, sched, 2)
-os.environ[FAIL_AFTER_ENV] = "2"  # the process dies after the background thread wrote two files
+die_after_files(2)  # the process dies after the background thread wrote two files
 acc.save_state(folder / "checkpoint-4", async_save=True)
 print("save_state returned", flush=True)
 _steps(acc, model, opt, loader, sched, 50)
@@ -148,7 +149,7 @@ def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint(tmp_p
     env = {**os.environ, "XSHARD_BACKEND": "cpu"}
     done = subprocess.run([sys.executable, str(script), str(out), str(Path(__file__).parent)], env=env,
                           capture_output=True, text=True, timeout=240)
-    assert done.returncode == 17, done.stderr[-3000:]  # the test hook's exit, inside the background write
+    assert done.returncode == EXIT_CODE, done.stderr[-3000:]  # die_after_files' exit, inside the background write
     assert "save_state returned" in done.stdout
     assert (out / "checkpoint-4.tmp").is_dir() and not (out / "checkpoint-4").exists()
     (name, step, weights), = run_workers(_resume_worker, 1, str(out))

@@ -10,9 +10,8 @@ import warnings
 import pytest
 import torch
 from support.distributed import run_workers
+from support.save_crash import die_after_files
 from test_checkpoint import _job, _plain, _steps
-
-from xshard.checkpoint.files import FAIL_AFTER_ENV, FAIL_RANK_ENV
 
 pytestmark = pytest.mark.multiprocess
 
@@ -22,7 +21,7 @@ def _crash_worker(rank, world_size, out):
     _steps(acc, model, opt, loader, sched, 2)
     acc.save_state(os.path.join(out, "checkpoint-2"))
     _steps(acc, model, opt, loader, sched, 1)
-    os.environ[FAIL_AFTER_ENV], os.environ[FAIL_RANK_ENV] = "1", "1"  # rank 1 dies after its first file
+    die_after_files(1, rank=1)  # rank 1 dies after its first file
     acc.save_state(os.path.join(out, "checkpoint-3"))
     return "not reached"
 

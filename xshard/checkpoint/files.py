@@ -62,9 +62,6 @@ CHECKPOINT_FILE = re.compile(
     r"^(xshard_state\.json|config\.json|(scheduler|data|scaler)\.pt|rng\.rank\d+\.pt|custom_checkpoint_\d+\.pt"
     r"|optimizer\.groups\.pt|(model|optimizer)(_\d+)?(\.rank\d+)?\.(safetensors|pt))$")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-#: test hook: a rank exits abruptly (as if killed) after writing this many files of a checkpoint
-FAIL_AFTER_ENV = "XSHARD_TEST_FAIL_SAVE_AFTER"
-FAIL_RANK_ENV = "XSHARD_TEST_FAIL_SAVE_RANK"
 
 
 class CheckpointError(XShardError, ValueError):
@@ -118,10 +115,6 @@ class FileWriter:
         self.files: dict[str, dict[str, Any]] = {}
         self.no_space: OSError | None = None
         self.bytes_needed = 0
-        fail = os.environ.get(FAIL_AFTER_ENV)
-        fail_rank = os.environ.get(FAIL_RANK_ENV)
-        applies = fail is not None and (fail_rank is None or int(fail_rank) == rank)
-        self._fail_after = int(fail) if applies and fail is not None else None
 
     def _write(self, name: str, write: Callable[[HashingFile], object]) -> None:
         if self.no_space is None:
@@ -144,10 +137,6 @@ class FileWriter:
             return
         self.bytes_needed += out.bytes
         self.files[name] = {"bytes": out.bytes, checksum.WRITTEN: out.hexdigest()}
-        if self._fail_after is not None and len(self.files) >= self._fail_after:
-            # Half a file too, as a killed writer would leave it.
-            (self.folder / f"partial.rank{self.rank}.safetensors").write_bytes(b"\0" * 16)
-            os._exit(17)
 
     def safetensors(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] = PT_METADATA) -> None:
         """Write tensors as a safetensors file (tied tensors are simply written under each name)."""
