@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from xshard.config.values import MAX_PROCESSES
 from xshard.errors import XShardError
 from xshard.sharding.options import ShardingOptions, normalise_stage
 from xshard.sharding.plan import GradReduction, ReduceTiming, ShardingPlan
@@ -69,8 +70,9 @@ _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16
                 "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 
 
-#: the most processes an estimate is made for: far above any cluster, far below where the shards round to 0 bytes
-MAX_NPROC = 1 << 20
+#: the most processes an estimate is made for (the configuration's bound): far above any cluster, far below where
+#: the shards round to 0 bytes
+MAX_NPROC = MAX_PROCESSES
 #: the largest micro-batch (sequences per device) and sequence length (tokens) an estimate is made for
 MAX_MICRO_BATCH, MAX_SEQ_LEN = 1 << 20, 1 << 24
 
