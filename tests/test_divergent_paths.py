@@ -203,7 +203,7 @@ FOUR_RANK_CASES = {
 
 @pytest.mark.parametrize("world, cases", [(2, TWO_RANK_CASES), (4, FOUR_RANK_CASES)], ids=["2 ranks", "4 ranks"])
 def test_ranks_on_different_branches_train_as_plain_pytorch(world: int, cases: dict[str, dict[str, Any]]) -> None:
-    results = run_workers(_worker, world, list(cases.values()), timeout=600)
+    results = run_workers(_worker, world, list(cases.values()), timeout=240)
     for i, (label, c) in enumerate(cases.items()):
         per_rank = [results[rank][i] for rank in range(world)]
         _assert_like_reference(per_rank, reference(c, world), f"{world} ranks, {label}")
