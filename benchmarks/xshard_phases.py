@@ -14,7 +14,7 @@ import functools
 import time
 from collections import defaultdict
 
-#: (module, class, method) -> phase label
+#: (module, class or None for a function of the module, method) -> phase label
 _PHASES = {
     ("xshard.backends.collectives.handle", "Handle", "wait"): "wait: blocked on communication",
     ("xshard.backends.collectives.process_group", "DistCollectives", "_all_gather"):
@@ -24,16 +24,16 @@ _PHASES = {
     ("xshard.sharding.unit", "Unit", "start_gather"): "gather: allocate + pack own shard",
     ("xshard.sharding.unit", "Unit", "wait_gather"): "gather: allocate + unpack rows into full params",
     ("xshard.sharding.unit", "Unit", "reshard"): "reshard: free full params",
-    ("xshard.sharding.unit", "Unit", "start_reduce"): "reduce: allocate + pack full grads",
-    ("xshard.sharding.unit", "PendingReduce", "finish"): "reduce: finish (slice copy, divide)",
-    ("xshard.sharding.unit", "Unit", "accumulate_grads"): "reduce: write grad shards",
-    ("xshard.sharding.engine", "ShardEngine", "_pre_forward"): "hooks: pre-forward",
-    ("xshard.sharding.engine", "ShardEngine", "_post_forward"): "hooks: post-forward",
-    ("xshard.sharding.engine", "ShardEngine", "_pre_backward"): "hooks: pre-backward",
-    ("xshard.sharding.engine", "ShardEngine", "_post_backward"): "hooks: post-backward",
-    ("xshard.sharding.engine", "ShardEngine", "_finish_backward"): "hooks: end of backward",
-    ("xshard.sharding.replicate", "Replicator", "_launch"): "stage 0: flatten bucket (cat) + issue",
-    ("xshard.sharding.replicate", "Replicator", "_finish_backward"): "stage 0: copy averages into grads",
+    ("xshard.sharding.reduce", None, "start_reduce"): "reduce: allocate + pack full grads",
+    ("xshard.sharding.reduce", "PendingReduce", "finish"): "reduce: finish (slice copy, divide)",
+    ("xshard.sharding.reduce", None, "accumulate_grads"): "reduce: write grad shards",
+    ("xshard.sharding.shard_engine", "ShardedEngine", "_pre_forward"): "hooks: pre-forward",
+    ("xshard.sharding.shard_engine", "ShardedEngine", "_post_forward"): "hooks: post-forward",
+    ("xshard.sharding.shard_engine", "ShardedEngine", "_pre_backward"): "hooks: pre-backward",
+    ("xshard.sharding.shard_engine", "ShardedEngine", "_post_backward"): "hooks: post-backward",
+    ("xshard.sharding.shard_engine", "ShardedEngine", "_finish_backward"): "hooks: end of backward",
+    ("xshard.sharding.replicate", "ReplicatedEngine", "_launch"): "stage 0: flatten bucket (cat) + issue",
+    ("xshard.sharding.replicate", "ReplicatedEngine", "_finish_backward"): "stage 0: copy averages into grads",
 }
 
 seconds: dict[str, float] = defaultdict(float)
@@ -68,10 +68,11 @@ def install() -> list[str]:
     missing = []
     for (module_name, cls_name, method), label in _PHASES.items():
         try:
-            cls = getattr(importlib.import_module(module_name), cls_name)
+            module = importlib.import_module(module_name)
+            cls = module if cls_name is None else getattr(module, cls_name)  # None: a function of the module
             original = getattr(cls, method)
         except (ImportError, AttributeError):
-            missing.append(f"{module_name}.{cls_name}.{method}")
+            missing.append(f"{module_name}.{cls_name or ''}.{method}")
             continue
         setattr(cls, method, _timed(label, original))
     return missing

@@ -15,7 +15,7 @@ Backward: only units this rank skipped in forward are passed (a unit it ran has 
 own hooks fire: passing it would reduce a gradient still to come). They are passed when backward reaches a
 unit after them in the reverse canonical order, or at its end: gathered as the ranks that ran them gather
 them (when they have trainable parameters, or follow a unit that has: their outputs then carry gradients),
-and reduced with zeros, whose "no gradient here" flags ride in the reduce itself (``Unit.start_reduce``).
+and reduced with zeros, whose "no gradient here" flags ride in the reduce itself (``reduce.py``).
 
 The order starts as the units' registration order (the plan's: a model's modules are registered in the order
 most models run them). A rank whose forward reaches units in another order (CLIP runs its vision tower, the

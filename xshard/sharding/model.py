@@ -23,7 +23,7 @@ from .materialize import fill_parameters, fill_shards
 from .module_sync import sync_module_states
 from .options import ShardingOptions
 from .params import Rebound
-from .plan import ShardingPlan
+from .plan import GradReduction, ShardingPlan
 from .precision import ForwardPrecision, cast_buffers, install_fp32_norms
 from .replicate import ReplicatedEngine
 from .shard_engine import ShardedEngine
@@ -104,7 +104,9 @@ class ShardedModel(nn.Module):
             install_fp32_norms(module, precision.param_dtype)
         self.units: list[Unit] = []
         self._engine: Engine
-        if plan.shard_parameters:
+        # the gradient reduction picks the engine (the plan pairs it with the parameters' sharding):
+        # reduce-scatter of sharded units (stages 1-3), or DDP's bucketed all-reduce of whole parameters
+        if plan.grad_reduction is GradReduction.REDUCE_SCATTER:
             self.units = [Unit(s, self._rt, i) for i, s in enumerate(specs)]
             if self._rt.pool is not None:
                 self._rt.pool.make_room([[sp.full_bytes for sp in u.params] for u in self.units])

@@ -130,6 +130,12 @@ class ShardingPlan:
     offload: bool
     precision: PrecisionPolicy
 
+    def __post_init__(self) -> None:
+        # the two engines: sharded parameters with reduce-scattered gradients, whole ones all-reduced
+        if self.shard_parameters != (self.grad_reduction is GradReduction.REDUCE_SCATTER):
+            raise ValueError(f"a plan with shard_parameters={self.shard_parameters} reduces gradients by "
+                             f"{self.grad_reduction.name}: sharded parameters reduce-scatter, whole ones all-reduce")
+
     @property
     def replicas(self) -> int:
         """Copies of every shard in the job (one per shard group)."""

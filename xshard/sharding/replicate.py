@@ -45,7 +45,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from .engine import Engine
-from .unit import used_flags
+from .reduce import used_flags
 
 if TYPE_CHECKING:  # types only: the core imports nothing of the device layer at run time
     from xshard.backends import Collectives, Handle

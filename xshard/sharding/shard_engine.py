@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -53,10 +52,9 @@ from .canonical import CanonicalOrder
 from .engine import Engine
 from .options import ShardingOptions
 from .plan import ReduceTiming, ShardingPlan
+from .reduce import ReducePipeline
 from .trees import cast_floating, replace_grad_tensors, tensors_in
-from .unit import BackwardState, PendingReduce, Unit, UnitState
-
-_MAX_REDUCES_IN_FLIGHT = 2
+from .unit import BackwardState, Unit, UnitState
 
 
 class _PostBackward(torch.autograd.Function):
@@ -90,7 +88,7 @@ class ShardedEngine(Engine):
         rt = self.root.rt
         self.canonical = CanonicalOrder(units[1:], peers=rt.collectives.world_size > 1 or rt.replicas is not None)
         self._recording: list[Unit] = []
-        self._reduces: deque[PendingReduce] = deque()
+        self._reduces = ReducePipeline()
         self._callback_queued = False
         self._summoned = False  # inside full_params_context: hooks stand aside
         #: the module whose off-forward call swapped the root unit in (see the module docstring)
@@ -310,15 +308,7 @@ class ShardedEngine(Engine):
             self._prefetch(self._after(unit, self.canonical.reverse))
 
     def _reduce(self, unit: Unit) -> None:
-        while len(self._reduces) >= _MAX_REDUCES_IN_FLIGHT:
-            self._reduces.popleft().finish()
-        pending = unit.start_reduce()
-        # hybrid sharding: the earlier units' reduce-scatters were issued a unit ago; hand them to the
-        # all-reduce across replicas while this unit's reduce-scatter runs (a no-op with one replica)
-        for earlier in self._reduces:
-            earlier.launch_inter()
-        if pending is not None:
-            self._reduces.append(pending)
+        self._reduces.reduce(unit)
 
     @torch.compiler.disable
     def _finish_backward(self) -> None:
@@ -339,8 +329,7 @@ class ShardedEngine(Engine):
 
     def drain(self) -> None:
         """Wait for every reduce in flight and write the gradient shards."""
-        while self._reduces:
-            self._reduces.popleft().finish()
+        self._reduces.drain()
 
     # ------------------------------------------------------------------ whole parameters
     @contextlib.contextmanager

@@ -9,18 +9,7 @@ A gathered copy is never older than its shard: every gather records the shards' 
 changed after the gather was issued, e.g. a unit prefetched in a step where it did not run and
 updated by the optimizer before its next use.
 
-Gradients (``start_reduce``): each trainable parameter's full gradient is averaged over ranks (a
-reduce-scatter: each rank keeps its shard). Parameters that got no gradient on a rank contribute
-zeros, and a flag per parameter travels in the same collective, so after the reduce each rank knows
-whether any rank produced a gradient: a parameter used on no rank keeps ``grad is None`` (AdamW's
-decay and momentum then leave it alone, as in plain PyTorch and DDP); one used on some ranks gets
-the average, as in DDP. The flags are read on the host only when this rank lacked a gradient.
-
-Hybrid sharding: ``rt.collectives`` is the shard group, so gathers and reduce-scatters stay inside
-it; the reduced shards (and the flags) of one reduce lie in one flat buffer, which is then averaged
-across the replica group (``rt.replicas``) with one all-reduce. That all-reduce can only start
-once the reduce-scatter is done: ``PendingReduce.launch_inter`` starts it, and the engine calls it
-for the earlier units while a later unit's reduce-scatter is in flight.
+Gradients: ``reduce.py`` (the reduce-scatter of each unit, its flags, hybrid sharding's all-reduce).
 
 ``reshard_after_forward=k``: ``reshard(keep_post_forward=True)`` (after forward) keeps this rank's
 1/k piece of the freshly used full copies before freeing them, and the next gather (backward's)
@@ -141,15 +130,6 @@ class Unit:
             self.trainable = trainable
             return True
         return False
-
-    def reduce_groups(self) -> list[tuple[torch.dtype, list[ShardedParam]]]:
-        """Trainable parameters grouped by the dtype their gradients are reduced in."""
-        precision = self.rt.plan.precision
-        groups: dict[torch.dtype, list[ShardedParam]] = {}
-        for sp in self.trainable:
-            dtype = precision.reduce_dtype or precision.param_dtype or sp.gather_dtype
-            groups.setdefault(dtype, []).append(sp)
-        return list(groups.items())
 
     # ------------------------------------------------------------------ state
     def versions(self) -> tuple[int, ...]:
@@ -324,120 +304,6 @@ class Unit:
         """Forget full gradients held between micro-steps (``zero_grad``)."""
         for sp in self.params:
             sp.full.grad = None
-
-    # ------------------------------------------------------------------ reduce
-    def start_reduce(self) -> PendingReduce | None:
-        """Hand the full gradients to the reduce-scatter (asynchronous) and drop them from the full copies.
-
-        A gradient already in the reduce dtype, contiguous and of ``world_size`` whole shards is the
-        reduce's input itself (the collectives may reduce it in place): no packing buffer. Only padded
-        or cast gradients are copied, into a zero-padded buffer of their own.
-        """
-        if not self.trainable:
-            return None
-        rt = self.rt
-        world = rt.collectives.world_size
-        groups = []
-        with torch.no_grad():
-            for dtype, sps in self.reduce_groups():
-                used = [sp.full.grad is not None for sp in sps]
-                inputs = [_reduce_input(sp.full.grad, sp.layout.gather_numel, dtype, rt.device) for sp in sps]
-                # the reduced shards and the flags: views of one buffer (the replicas' all-reduce takes it whole)
-                sizes = [sp.layout.seg for sp in sps] + [len(sps)]
-                flat = torch.empty(sum(sizes), dtype=dtype, device=rt.device)
-                outputs = list(flat.split(sizes))
-                for sp in sps:
-                    sp.full.grad = None
-                # one flag per parameter, repeated for every rank's slice: each rank receives the
-                # average over ranks of "had a gradient" (> 0: some rank used it)
-                inputs.append(used_flags(used, world, dtype, rt.device))
-                rt.fence(inputs)
-                handle = rt.collectives.reduce_scatter_tensors(
-                    outputs, inputs, op="avg", async_op=True, tag=f"reduce-scatter of unit {self.name}")
-                groups.append(_PendingGroup(sps, handle, outputs, inputs, all(used), flat))
-        return PendingReduce(self, groups)
-
-    def accumulate_grads(self, sps: list[ShardedParam], outs: list[torch.Tensor], used: list[bool]) -> None:
-        """Add this rank's reduced shard of each used parameter's gradient to ``param.grad``."""
-        with torch.no_grad():
-            for out, sp, was_used in zip(outs, sps, used, strict=True):
-                if not was_used:
-                    continue  # no rank produced a gradient: leave .grad as plain PyTorch would
-                lay = sp.layout
-                shard = out[: lay.local_numel].view(lay.local_shape)
-                # blocking: an asynchronous device-to-host copy could still be running when the
-                # optimizer reads an offloaded gradient
-                shard = shard.to(device=sp.user.device, dtype=sp.dtype)
-                if sp.user.grad is None:
-                    sp.user.grad = shard  # a view of ``out``, which nothing else reuses
-                else:
-                    sp.user.grad.add_(shard)
-
-
-def used_flags(used: list[bool], repeats: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``used`` as 1/0 values, repeated ``repeats`` times, made on ``device`` without a host-to-device copy
-    (a copy from pageable host memory would wait for the device's queue: no overlap in backward).
-    One fill in the common case where every flag is 1; one more per unused parameter."""
-    flags = torch.ones(repeats, len(used), dtype=dtype, device=device)
-    for i, was_used in enumerate(used):
-        if not was_used:
-            flags[:, i].zero_()
-    return flags.view(-1)
-
-
-def _reduce_input(grad: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The reduce-scatter input for one full gradient: the gradient itself when it already is
-    ``numel`` contiguous elements of ``dtype`` on ``device``, else a zero-padded copy."""
-    if grad is None:
-        return torch.zeros(numel, dtype=dtype, device=device)
-    if grad.numel() == numel and grad.dtype == dtype and grad.device == device and grad.is_contiguous():
-        return grad.view(-1)
-    buf = torch.empty(numel, dtype=dtype, device=device)
-    buf[: grad.numel()].copy_(grad.reshape(-1))
-    buf[grad.numel():].zero_()
-    return buf
-
-
-@dataclass
-class _PendingGroup:
-    """One reduce-scatter of parameters sharing a reduce dtype, and its buffers until it completes."""
-
-    params: list[ShardedParam]
-    handle: Handle
-    outs: list[torch.Tensor]  # one reduced shard per parameter, then the flags
-    inputs: list[torch.Tensor]  # kept alive until the collective is done with them
-    all_used_here: bool  # every parameter had a gradient on this rank: no need to read the flags
-    flat: torch.Tensor  # the buffer ``outs`` are views of
-
-
-@dataclass
-class PendingReduce:
-    """A unit's gradient reduce in flight (one reduce-scatter per reduce dtype, then, with several
-    replicas, one all-reduce of its result across them)."""
-
-    unit: Unit
-    groups: list[_PendingGroup]
-    inter_launched: bool = False
-
-    def launch_inter(self) -> None:
-        """Wait for the reduce-scatters and start the all-reduce across replicas (no-op without them)."""
-        replicas = self.unit.rt.replicas
-        if self.inter_launched or replicas is None:
-            return
-        self.inter_launched = True
-        for group in self.groups:
-            group.handle.wait()
-            group.handle = replicas.all_reduce(group.flat, op="avg", async_op=True,
-                                               tag=f"all-reduce across replicas of unit {self.unit.name}")
-
-    def finish(self) -> None:
-        self.launch_inter()
-        for group in self.groups:
-            group.handle.wait()
-            self.unit.rt.fence([group.flat])
-            n = len(group.params)
-            used = [True] * n if group.all_used_here else (group.outs[n] > 0).tolist()
-            self.unit.accumulate_grads(group.params, group.outs[:n], used)
 
 
 def plan_buffer(segs: list[int], dtypes: list[torch.dtype]) -> tuple[torch.dtype, FlatLayout]:
