@@ -43,6 +43,7 @@ from ..errors import (
 )
 from .base import Backend, StepPatch, World
 from .collectives import Collectives, CommCounter, DistCollectives, Handle, SingleProcessCollectives
+from .device import PeakTable
 from .vendor import VendorImport, import_vendor
 from .visible_devices import apply_visible_devices, parse_devices, visible_devices_value
 
@@ -129,6 +130,22 @@ def backend_class(name: str) -> type[Backend]:
         _check_class(key, cls, f"the backend {key!r} ({target})")
         return cls
     return target
+
+
+def peak_tflops_table() -> PeakTable:
+    """Every backend's ``peak_tflops`` in one table (the built-ins, then the registered ones): for a device
+    named without its backend (``xshard estimate --machine``, a device name read elsewhere)."""
+    _read_entry_points()
+    table, seen = PeakTable({}), set()
+    for name in (*_BUILTIN, *sorted(_registered)):
+        try:
+            own = backend_class(name).peak_tflops
+        except XShardError:  # a registered backend that cannot be loaded has no figures to give
+            continue
+        if id(own) not in seen:
+            seen.add(id(own))
+            table = table + own
+    return table
 
 
 def _load(target: str, registered_as: str | None = None) -> type[Backend]:
@@ -267,6 +284,7 @@ __all__ = [
     "CommCounter",
     "DistCollectives",
     "Handle",
+    "PeakTable",
     "Selection",
     "SingleProcessCollectives",
     "StepPatch",
@@ -283,6 +301,7 @@ __all__ = [
     "import_vendor",
     "names",
     "parse_devices",
+    "peak_tflops_table",
     "probe",
     "register_backend",
     "select",

@@ -15,7 +15,34 @@ import torch
 
 from .base import Backend
 from .bound_device import ask_bound_device
+from .device import PeakTable
 from .vendor import torch_release
+
+#: NVIDIA's and AMD's GPUs (ROCm builds of torch are torch.cuda too): dense figures (NVIDIA's sheets print bf16
+#: with 2:4 sparsity, twice these). fp32 is the non-tensor-core figure: torch does not use TF32 for fp32 matmuls by
+#: default.
+GPU_PEAK_TFLOPS = PeakTable(
+    {
+        "A100": {"bf16": (312.0, "NVIDIA A100 datasheet"), "fp16": (312.0, "NVIDIA A100 datasheet"),
+                 "fp32": (19.5, "NVIDIA A100 datasheet")},
+        "H100 PCIe": {"bf16": (756.5, "NVIDIA H100 datasheet (PCIe, 1513 with sparsity)"),
+                      "fp16": (756.5, "NVIDIA H100 datasheet (PCIe, 1513 with sparsity)"),
+                      "fp32": (51.0, "NVIDIA H100 datasheet (PCIe)")},
+        "H100": {"bf16": (989.4, "NVIDIA H100 datasheet (SXM, 1979 with sparsity)"),
+                 "fp16": (989.4, "NVIDIA H100 datasheet (SXM, 1979 with sparsity)"),
+                 "fp32": (67.0, "NVIDIA H100 datasheet (SXM)")},
+        "H200": {"bf16": (989.4, "NVIDIA H200 datasheet (SXM, 1979 with sparsity)"),
+                 "fp16": (989.4, "NVIDIA H200 datasheet (SXM, 1979 with sparsity)"),
+                 "fp32": (67.0, "NVIDIA H200 datasheet (SXM)")},
+        "B200": {"bf16": (2250.0, "NVIDIA HGX B200 specifications (per GPU, dense)"),
+                 "fp16": (2250.0, "NVIDIA HGX B200 specifications (per GPU, dense)")},
+        "MI300X": {"bf16": (1307.4, "AMD Instinct MI300X datasheet (dense)"),
+                   "fp16": (1307.4, "AMD Instinct MI300X datasheet (dense)"),
+                   "fp32": (163.4, "AMD Instinct MI300X datasheet")},
+    },
+    ((("h100", "pcie"), "H100 PCIe"), (("h100",), "H100"), (("h200",), "H200"), (("b200",), "B200"),
+     (("a100",), "A100"), (("mi300x",), "MI300X")),
+)
 
 
 class CUDABackend(Backend):
@@ -27,6 +54,7 @@ class CUDABackend(Backend):
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     native_avg = True  # NCCL implements ReduceOp.AVG (since NCCL 2.10)
     pins_host_memory = True  # cudaHostAlloc: device-to-host copies run asynchronously
+    peak_tflops = GPU_PEAK_TFLOPS
     install_hint = (
         "install a CUDA build of torch, e.g. pip install torch=={torch} "
         "--index-url https://download.pytorch.org/whl/cu126"
@@ -53,6 +81,11 @@ class CUDABackend(Backend):
                 "check the GPU and its driver with nvidia-smi"
             )
         return None
+
+    @classmethod
+    def accelerate_distributed_type(cls) -> str:
+        """Accelerate calls data parallel on GPUs MULTI_GPU."""
+        return "MULTI_GPU"
 
     @classmethod
     def vendor_version(cls) -> str | None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -25,6 +27,30 @@ def cpu_process_bound() -> tuple[int, str]:
     """``CPU_PROCESSES_PER_CORE`` per CPU core this process may run on, and the reason in words."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return CPU_PROCESSES_PER_CORE * cores, f"{CPU_PROCESSES_PER_CORE} processes per CPU core, {cores} core(s) on this node"
+
+
+@dataclass(frozen=True)
+class PeakTable:
+    """Published dense peak TFLOPS of a family's device models, and which device names are which model.
+
+    ``figures``: model -> {"bf16" | "fp16" | "fp32": (TFLOPS, source)}; ``models``: (lowercase words that
+    must all be in ``device_name()``, model), the first match wins (so a longer name comes first).
+    """
+
+    figures: Mapping[str, Mapping[str, tuple[float, str]]]
+    models: tuple[tuple[tuple[str, ...], str], ...] = ()
+
+    def model_of(self, device_name: str) -> str | None:
+        """The model of ``figures`` a device name belongs to, or None."""
+        name = device_name.lower()
+        for words, model in self.models:
+            if all(w in name for w in words):
+                return model
+        return None
+
+    def __add__(self, other: PeakTable) -> PeakTable:
+        """Both tables, this one's models matched first."""
+        return PeakTable({**other.figures, **self.figures}, (*self.models, *other.models))
 
 
 class StepPatch:
@@ -75,6 +101,10 @@ class DeviceAPI:
     #: counts them: 0 where the process computes on the host's CPUs or on an XLA device (which transformers
     #: never wraps in DataParallel), 1 where it drives one accelerator (xshard runs one device per process)
     trainer_device_count: ClassVar[int] = 1
+    #: class fact: the published dense peak TFLOPS of this family's device models, looked up by ``device_name()``
+    #: (the throughput report's MFU, ``xshard estimate --machine``); empty where none is published or the
+    #: peak is measured (``measured_peak_tflops``)
+    peak_tflops: ClassVar[PeakTable] = PeakTable({})
 
     # set by Backend
     name: ClassVar[str]
@@ -108,6 +138,14 @@ class DeviceAPI:
         if count:
             return count, f"the {self.name} backend sees {count} device(s) on this node, one process each"
         return cpu_process_bound()
+
+    @classmethod
+    def accelerate_distributed_type(cls) -> str:
+        """Accelerate's ``DistributedType`` name for plain data parallel on this family: what
+        ``accelerator.state.distributed_type`` and the Trainer's ``distributed_state`` answer for a job of
+        several processes that shards nothing ("MULTI_GPU" on cuda, "XLA" on xla). Default:
+        ``MULTI_<DEVICE_TYPE>`` (MULTI_CPU, MULTI_NPU, MULTI_MPS, MULTI_TPU)."""
+        return f"MULTI_{cls.device_type.upper()}"
 
     def measured_peak_tflops(self, dtype: torch.dtype | None) -> float | None:
         """This device's peak TFLOPS in ``dtype`` as measured here, where no published figure serves (a CPU);
@@ -175,6 +213,14 @@ class DeviceAPI:
             return None
         free, _total = mem_get_info(self.device())
         return int(free)
+
+    def empty_cache(self) -> None:
+        """Hand the allocator's cached free blocks back to the device (``release_memory``, Accelerate's
+        ``free_memory``), so that other processes and libraries can allocate them."""
+        # torch.cuda's, torch.npu's and torch.mps's; a device type with no torch module of its own (xla) has none
+        empty_cache = getattr(getattr(torch, self.device_type, None), "empty_cache", None)
+        if empty_cache is not None:
+            empty_cache()
 
     # ------------------------------------------------------------------ precision
     def supports(self, dtype: torch.dtype) -> bool:

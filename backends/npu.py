@@ -30,6 +30,7 @@ import torch
 from ..errors import BackendUnavailableError
 from .base import Backend, World
 from .bound_device import ask_bound_device
+from .device import PeakTable
 from .vendor import AUTOLOAD_ENV, import_vendor, torch_release
 
 #: a pip requirement that matches torch-npu X.Y.Z and its X.Y.Z.postN rebuilds
@@ -46,6 +47,20 @@ _OTHER_ACCELERATOR_HINT = (
 )
 
 
+#: Huawei publishes no per-variant sheet for the 910B; the 910C is two such dies (CloudMatrix384 paper,
+#: arXiv 2506.12708: 752 TFLOPS dense BF16/FP16 per 910C). 910B variants' clocks differ: set
+#: XSHARD_PEAK_TFLOPS from a measured matmul for an exact MFU.
+ASCEND_PEAK_TFLOPS = PeakTable(
+    {
+        "Ascend910C": {"bf16": (752.0, "CloudMatrix384 paper (arXiv 2506.12708): two dies"),
+                       "fp16": (752.0, "CloudMatrix384 paper (arXiv 2506.12708): two dies")},
+        "Ascend910B": {"bf16": (376.0, "one 910C die (CloudMatrix384 paper); variants differ"),
+                       "fp16": (376.0, "one 910C die (CloudMatrix384 paper); variants differ")},
+    },
+    ((("910c",), "Ascend910C"), (("910_93",), "Ascend910C"), (("910b",), "Ascend910B")),
+)
+
+
 class NPUBackend(Backend):
     """Ascend NPUs: one process per NPU, HCCL process group (ReduceOp.AVG included)."""
 
@@ -55,6 +70,7 @@ class NPUBackend(Backend):
     visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
     native_avg = True  # ProcessGroupHCCL: AVG is an HCCL sum, then a divide on its stream
     pins_host_memory = True  # torch_npu pins host memory (aclrtMallocHost) for asynchronous copies
+    peak_tflops = ASCEND_PEAK_TFLOPS
     vendor_module = "torch_npu"
     install_hint = _MATCHING_RELEASE + " (the release matching torch) and set up CANN (source set_env.sh)"
     related_env_vars = ("ASCEND_HOME_PATH", "ASCEND_OPP_PATH", AUTOLOAD_ENV)

@@ -47,6 +47,7 @@ import torch
 from ..errors import BackendUnavailableError
 from .base import Backend, World
 from .vendor import AUTOLOAD_ENV, import_vendor, torch_release
+from .xla import TPU_PEAK_TFLOPS
 
 if TYPE_CHECKING:
     from .launchers import Launcher
@@ -74,6 +75,7 @@ class TPUBackend(Backend):
     name = "tpu"
     device_type = "tpu"
     compiles_graphs = True  # see the module docstring: keep batch shapes static
+    peak_tflops = TPU_PEAK_TFLOPS  # the same chips as the xla backend's, by the same accelerator type
     dist_backend = "tpu"  # torch_tpu registers "tpu" and "tpu_dist" with the same constructor
     visible_devices_env = None  # TorchTPU binds each process to its chip; no device list to choose from
     native_avg = False  # see the module docstring: SUM then divide
@@ -171,6 +173,9 @@ class TPUBackend(Backend):
 
     def reset_peak_memory_stats(self) -> None:
         torch.accelerator.reset_peak_memory_stats()
+
+    def empty_cache(self) -> None:
+        """Nothing: the function would be ``torch.tpu``'s, which TorchTPU may keep internal (see the module docstring)."""
 
     # ------------------------------------------------------------------ precision
     def supports(self, dtype: torch.dtype) -> bool:

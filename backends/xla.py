@@ -28,7 +28,7 @@ import torch
 from . import replica_threads
 from .base import Backend
 from .collectives import Collectives
-from .device import StepPatch, World, cpu_process_bound
+from .device import PeakTable, StepPatch, World, cpu_process_bound
 from .launchers.xla import XLALauncher, cpu_replicas_env
 from .xla_collectives import XLACollectives, XLASingleReplicaCollectives, xla_model
 
@@ -49,6 +49,20 @@ def tpu_accelerator_type() -> str:
     """The TPU VM's accelerator type as Cloud TPU sets it in ``TPU_ACCELERATOR_TYPE`` ("v4-8", "v5litepod-16",
     "v5p-8", "v6e-8"): the chip generation the throughput report looks its peak FLOPS up by; "tpu" when unset."""
     return os.environ.get("TPU_ACCELERATOR_TYPE", "") or "tpu"
+
+
+#: Google's TPU generations, by the accelerator type ``tpu_accelerator_type`` reads (the xla and tpu backends')
+TPU_PEAK_TFLOPS = PeakTable(
+    {
+        "TPU v4": {"bf16": (275.0, "Google Cloud TPU v4 documentation")},
+        "TPU v5e": {"bf16": (197.0, "Google Cloud TPU v5e documentation")},
+        "TPU v5p": {"bf16": (459.0, "Google Cloud TPU v5p documentation")},
+        "TPU v6e": {"bf16": (918.0, "Google Cloud TPU v6e (Trillium) documentation")},
+        "TPU v7": {"bf16": (2307.0, "half of Google's published 4614 FP8 TFLOPS per Ironwood chip")},
+    },
+    ((("v5litepod",), "TPU v5e"), (("v5e",), "TPU v5e"), (("v5p",), "TPU v5p"), (("v6e",), "TPU v6e"),
+     (("v4",), "TPU v4"), (("tpu7",), "TPU v7"), (("v7",), "TPU v7")),
+)
 
 
 def tpu_chip_count(pci_devices: Path = _PCI_DEVICES) -> int:
@@ -128,6 +142,8 @@ class XLABackend(Backend):
     vendor_module = "torch_xla"
     #: XLA tensors have no storage to resize: the core replaces a freed full parameter's ``.data``
     frees_storage_by_resize: ClassVar[bool] = False
+    #: the TPU generations (``device_name`` is the TPU VM's accelerator type)
+    peak_tflops: ClassVar[PeakTable] = TPU_PEAK_TFLOPS
     trainer_device_count: ClassVar[int] = 0  # transformers' n_gpu on an XLA device
     #: every new input shape is a new graph to compile
     compiles_graphs: ClassVar[bool] = True
@@ -200,6 +216,11 @@ class XLABackend(Backend):
     def runtime_device_type() -> str:
         """The PJRT device kind the runtime drives: "TPU", "CPU", "CUDA", ..."""
         return str(_runtime().device_type())
+
+    @classmethod
+    def accelerate_distributed_type(cls) -> str:
+        """Accelerate's name for a torch_xla job is XLA."""
+        return "XLA"
 
     # ------------------------------------------------------------------ devices
     def device_count(self) -> int:

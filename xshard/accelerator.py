@@ -550,7 +550,8 @@ class Accelerator(AccelerateSurface):
                 self._peak_flops = PeakFlops(None, f"the device's name could not be read ({type(exc).__name__}: "
                                                    f"{exc}): set {PEAK_ENV}")
                 return self._peak_flops
-            self._peak_flops = peak_flops(name, dtype, measure=lambda: self.backend.measured_peak_tflops(dtype))
+            self._peak_flops = peak_flops(name, dtype, table=self.backend.peak_tflops,
+                                          measure=lambda: self.backend.measured_peak_tflops(dtype))
         return self._peak_flops
 
     # ------------------------------------------------------------------ collectives and processes

@@ -5,7 +5,7 @@ The model, stated so it can be checked (``benchmarks/published_runs.py`` sets it
 
 - compute: the step's tokens per device times the FLOPs of a trained token (``runtime.throughput.ModelFlops``:
   6N + 12 L d s, the PaLM formula, N without the input embedding), at ``mfu`` of the device's dense peak
-  (``runtime.throughput.PEAK_TFLOPS``). The MFU is an assumption (0.40 by default, ``--mfu``): published
+  (the backends' ``Backend.peak_tflops``). The MFU is an assumption (0.40 by default, ``--mfu``): published
   FSDP runs of 7-8B models on H100s report 33-40%; measure your own with ``accelerator.throughput()``.
 - communication: what each device sends in one step by ring collectives over the data-parallel world (W
   devices): an all-gather or a reduce-scatter of S bytes sends S (W-1)/W, an all-reduce twice that. Per
@@ -28,8 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .backends import peak_tflops_table
 from .estimate import PRECISIONS, EstimateError, ModelSize
-from .runtime.throughput import PEAK_TFLOPS, ModelFlops
+from .runtime.throughput import ModelFlops
 
 #: the fraction of a link's datasheet speed that ring collectives reach
 COMM_EFFICIENCY = 0.8
@@ -39,8 +40,9 @@ DEFAULT_MFU = 0.40
 
 @dataclass(frozen=True)
 class Machine:
-    """One node type: its devices' peak (``family`` in ``PEAK_TFLOPS``), the links' speed per device and
-    direction in GB/s inside a node and across nodes, the devices per node, and where the figures come from."""
+    """One node type: its devices' peak (``family``, a model of ``xshard.backends.peak_tflops_table()``), the
+    links' speed per device and direction in GB/s inside a node and across nodes, the devices per node, and where
+    the figures come from."""
 
     family: str
     intra_node_gbs: float
@@ -110,10 +112,10 @@ def predict(size: ModelSize, stage: int, world: int, machine: Machine, *, micro_
     """The step time of ``size`` trained at ``stage`` on ``world`` devices of ``machine`` (the module docstring)."""
     if not 0 < mfu <= 1:
         raise EstimateError(f"--mfu {mfu}: give the fraction of the peak the model's compute reaches, e.g. 0.4")
-    peak = PEAK_TFLOPS[machine.family].get(dtype)
+    figures = peak_tflops_table().figures[machine.family]
+    peak = figures.get(dtype)
     if peak is None:
-        raise EstimateError(f"{machine.family} has no published {dtype} peak; use "
-                            f"{' or '.join(PEAK_TFLOPS[machine.family])}")
+        raise EstimateError(f"{machine.family} has no published {dtype} peak; use {' or '.join(figures)}")
     flops = ModelFlops(size.total_params, size.vocab_size * size.hidden_size, size.num_layers, size.hidden_size)
     per_token = flops.per_token(seq_len)
     tokens = micro_batch * seq_len

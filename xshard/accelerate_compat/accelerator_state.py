@@ -17,6 +17,7 @@ Accelerate's ``PartialState`` which process it is in.
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 from enum import Enum
@@ -42,10 +43,21 @@ class DistributedType(str, Enum):
     FSDP = "FSDP"
     DEEPSPEED = "DEEPSPEED"
 
+    @classmethod
+    def _missing_(cls, value: object) -> DistributedType | None:
+        """``MULTI_<FAMILY>`` for a device family declared by its backend alone (Accelerate's MULTI_XPU, MULTI_HPU
+        ..., a backend from outside xshard): one member per name, made when first asked for."""
+        if isinstance(value, str) and re.fullmatch(r"MULTI_[A-Z][A-Z0-9_]*", value):
+            member = str.__new__(cls, value)
+            member._name_ = member._value_ = value
+            return cls._value2member_map_.setdefault(value, member)
+        return None
 
-# Accelerate's vocabulary for plain data parallel on each device type (a naming table, not behaviour)
-_DATA_PARALLEL = {"cpu": DistributedType.MULTI_CPU, "cuda": DistributedType.MULTI_GPU,
-                  "npu": DistributedType.MULTI_NPU, "xla": DistributedType.XLA}
+
+def data_parallel_type(backend: Any) -> DistributedType:
+    """Plain data parallel on ``backend``'s devices, in Accelerate's word for them (the backend's
+    ``accelerate_distributed_type()``)."""
+    return DistributedType(backend.accelerate_distributed_type())
 
 
 class FSDPPluginView:
@@ -260,8 +272,7 @@ class AcceleratorState:
             return DistributedType.FSDP
         if not self._job.use_distributed:
             return DistributedType.NO
-        device_type = acc.backend.device_type
-        return _DATA_PARALLEL.get(device_type, DistributedType(f"MULTI_{device_type.upper()}"))
+        return data_parallel_type(acc.backend)
 
     @property
     def fsdp_plugin(self) -> FSDPPluginView | None:

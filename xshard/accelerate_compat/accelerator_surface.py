@@ -302,7 +302,7 @@ class AccelerateSurface(AcceleratorCore):
             kept.clear()
         self.job.step = self.job.micro_step = 0
         self.job.sync_gradients = True
-        return release_memory(*objects)
+        return release_memory(*objects, backend=self.backend)
 
     clear = free_memory
 

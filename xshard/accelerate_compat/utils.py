@@ -15,7 +15,7 @@ import os
 import random
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from ..config.project_configuration import ProjectConfiguration
 from ..runtime.data import move_to_device
 from ..runtime.rank_logging import progress as tqdm
 from .accelerator_state import DistributedType
+
+if TYPE_CHECKING:
+    from ..backends import Backend
 
 __all__ = [
     "AutocastKwargs", "DDPCommunicationHookType", "DataLoaderConfiguration", "DeepSpeedPlugin",
@@ -66,15 +69,20 @@ def send_to_device(tensor: Any, device: torch.device | str, non_blocking: bool =
     return move_to_device(tensor, torch.device(device), non_blocking)
 
 
-def release_memory(*objects: Any) -> list[Any]:
+def release_memory(*objects: Any, backend: Backend | None = None) -> list[Any]:
     """Drop references to ``objects``, collect garbage and empty the device cache; returns Nones.
 
-    Use as ``a, b = release_memory(a, b)`` (the caller's names are the references that matter).
+    Use as ``a, b = release_memory(a, b)`` (the caller's names are the references that matter). The cache is
+    ``backend``'s (``Backend.empty_cache``; the Accelerator passes its own), else the one this process selects
+    (``XSHARD_BACKEND`` or ``auto``).
     """
     result: list[Any] = [None] * len(objects)
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if backend is None:
+        from ..backends import select
+
+        backend = select().cls()
+    backend.empty_cache()
     return result
 
 

@@ -23,11 +23,10 @@ What is counted, and how it costs no synchronisation the step did not already ha
   and ``no_flops_reason`` saying why, and the main process logs that reason once at INFO. Counting never
   stops a run: a model or batch it cannot read (no ``get_input_embeddings``, no config, a batch of
   another shape) leaves the estimate out with the reason, never an exception.
-- peak: the device's dense bf16/fp16 (or fp32) figure from ``PEAK_TFLOPS``, looked up by the name the
-  backend reports (``Backend.device_name``), each figure with its source; ``XSHARD_PEAK_TFLOPS``
-  overrides it; on a CPU it is measured once by a matmul probe in the compute dtype
-  (``Backend.measured_peak_tflops``). A device with no
-  figure reports no MFU (None) and says why.
+- peak: the device's dense bf16/fp16 (or fp32) figure from its backend's table (``Backend.peak_tflops``),
+  looked up by the name the backend reports (``Backend.device_name``), each figure with its source;
+  ``XSHARD_PEAK_TFLOPS`` overrides it; on a CPU it is measured once by a matmul probe in the compute dtype
+  (``Backend.measured_peak_tflops``). A device with no figure reports no MFU (None) and says why.
 
 Each rank measures its own numbers; ``Accelerator.throughput()`` returns this rank's (rank 0's is what
 the main process logs).
@@ -43,52 +42,11 @@ from typing import Any
 
 import torch
 
+from ..backends import PeakTable, peak_tflops_table
 from ..errors import XShardError
 from .rank_logging import get_logger
 
 _log = get_logger("xshard.throughput")
-
-#: device family -> {dtype name -> (dense TFLOPS, source)}. Dense figures (NVIDIA's sheets print bf16 with 2:4
-#: sparsity, twice these). fp32 is the non-tensor-core figure: torch does not use TF32 for fp32 matmuls by default.
-PEAK_TFLOPS: dict[str, dict[str, tuple[float, str]]] = {
-    "A100": {"bf16": (312.0, "NVIDIA A100 datasheet"), "fp16": (312.0, "NVIDIA A100 datasheet"),
-             "fp32": (19.5, "NVIDIA A100 datasheet")},
-    "H100 PCIe": {"bf16": (756.5, "NVIDIA H100 datasheet (PCIe, 1513 with sparsity)"),
-                  "fp16": (756.5, "NVIDIA H100 datasheet (PCIe, 1513 with sparsity)"),
-                  "fp32": (51.0, "NVIDIA H100 datasheet (PCIe)")},
-    "H100": {"bf16": (989.4, "NVIDIA H100 datasheet (SXM, 1979 with sparsity)"),
-             "fp16": (989.4, "NVIDIA H100 datasheet (SXM, 1979 with sparsity)"),
-             "fp32": (67.0, "NVIDIA H100 datasheet (SXM)")},
-    "H200": {"bf16": (989.4, "NVIDIA H200 datasheet (SXM, 1979 with sparsity)"),
-             "fp16": (989.4, "NVIDIA H200 datasheet (SXM, 1979 with sparsity)"),
-             "fp32": (67.0, "NVIDIA H200 datasheet (SXM)")},
-    "B200": {"bf16": (2250.0, "NVIDIA HGX B200 specifications (per GPU, dense)"),
-             "fp16": (2250.0, "NVIDIA HGX B200 specifications (per GPU, dense)")},
-    "MI300X": {"bf16": (1307.4, "AMD Instinct MI300X datasheet (dense)"),
-               "fp16": (1307.4, "AMD Instinct MI300X datasheet (dense)"),
-               "fp32": (163.4, "AMD Instinct MI300X datasheet")},
-    # Huawei publishes no per-variant sheet for the 910B; the 910C is two such dies (CloudMatrix384 paper,
-    # arXiv 2506.12708: 752 TFLOPS dense BF16/FP16 per 910C). 910B variants' clocks differ: set
-    # XSHARD_PEAK_TFLOPS from a measured matmul for an exact MFU.
-    "Ascend910C": {"bf16": (752.0, "CloudMatrix384 paper (arXiv 2506.12708): two dies"),
-                   "fp16": (752.0, "CloudMatrix384 paper (arXiv 2506.12708): two dies")},
-    "Ascend910B": {"bf16": (376.0, "one 910C die (CloudMatrix384 paper); variants differ"),
-                   "fp16": (376.0, "one 910C die (CloudMatrix384 paper); variants differ")},
-    "TPU v4": {"bf16": (275.0, "Google Cloud TPU v4 documentation")},
-    "TPU v5e": {"bf16": (197.0, "Google Cloud TPU v5e documentation")},
-    "TPU v5p": {"bf16": (459.0, "Google Cloud TPU v5p documentation")},
-    "TPU v6e": {"bf16": (918.0, "Google Cloud TPU v6e (Trillium) documentation")},
-    "TPU v7": {"bf16": (2307.0, "half of Google's published 4614 FP8 TFLOPS per Ironwood chip")},
-}
-
-#: how a backend's device name maps to a family of PEAK_TFLOPS (first match, lowercase substrings)
-_FAMILIES: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("h100", "pcie"), "H100 PCIe"), (("h100",), "H100"), (("h200",), "H200"), (("b200",), "B200"),
-    (("a100",), "A100"), (("mi300x",), "MI300X"),
-    (("910c",), "Ascend910C"), (("910_93",), "Ascend910C"), (("910b",), "Ascend910B"),
-    (("v5litepod",), "TPU v5e"), (("v5e",), "TPU v5e"), (("v5p",), "TPU v5p"), (("v6e",), "TPU v6e"),
-    (("v4",), "TPU v4"), (("tpu7",), "TPU v7"), (("v7",), "TPU v7"),
-)
 
 #: the environment variable that sets the peak TFLOPS per device, whatever the device
 PEAK_ENV = "XSHARD_PEAK_TFLOPS"
@@ -107,18 +65,10 @@ def dtype_name(dtype: torch.dtype | None) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32") if dtype is not None else "fp32"
 
 
-def family_of(device_name: str) -> str | None:
-    """The PEAK_TFLOPS family a device name belongs to, or None."""
-    name = device_name.lower()
-    for words, family in _FAMILIES:
-        if all(w in name for w in words):
-            return family
-    return None
-
-
-def peak_flops(device_name: str, dtype: torch.dtype | None, *, measure: Callable[[], float | None] | None = None,
-               env: dict[str, str] | None = None) -> PeakFlops:
-    """The peak of one device in ``dtype``: ``XSHARD_PEAK_TFLOPS``, else the table, else ``measure()``
+def peak_flops(device_name: str, dtype: torch.dtype | None, *, table: PeakTable | None = None,
+               measure: Callable[[], float | None] | None = None, env: dict[str, str] | None = None) -> PeakFlops:
+    """The peak of one device in ``dtype``: ``XSHARD_PEAK_TFLOPS``, else ``table`` (the backend's
+    ``peak_tflops``; None: every backend's, ``peak_tflops_table()``), else ``measure()``
     (``Backend.measured_peak_tflops``: a CPU's probe; None where the backend measures nothing), else
     unknown with the reason."""
     environ = os.environ if env is None else env
@@ -132,11 +82,12 @@ def peak_flops(device_name: str, dtype: torch.dtype | None, *, measure: Callable
             raise XShardError(f"{PEAK_ENV}={override!r} is not a positive number of TFLOPS per device: "
                               f"e.g. {PEAK_ENV}=312 for an A100 in bf16")
         return PeakFlops(value, f"{PEAK_ENV}")
-    family = family_of(device_name)
+    table = peak_tflops_table() if table is None else table
+    model = table.model_of(device_name)
     wanted = dtype_name(dtype)
-    if family is not None and wanted in PEAK_TFLOPS[family]:
-        tflops, source = PEAK_TFLOPS[family][wanted]
-        return PeakFlops(tflops, f"{family} {wanted}: {source}")
+    if model is not None and wanted in table.figures[model]:
+        tflops, source = table.figures[model][wanted]
+        return PeakFlops(tflops, f"{model} {wanted}: {source}")
     measured = measure() if measure is not None else None
     if measured is not None:
         return PeakFlops(measured, f"measured: a {wanted} matmul on this device")

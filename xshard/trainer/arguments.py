@@ -131,11 +131,11 @@ class XShardDistributedState:
 
     @property
     def distributed_type(self) -> Any:
-        from xshard.accelerate_compat.accelerator_state import _DATA_PARALLEL, DistributedType
+        from xshard.accelerate_compat.accelerator_state import DistributedType, data_parallel_type
 
         if self.num_processes == 1:
             return DistributedType.NO
-        return _DATA_PARALLEL.get(self.backend.device_type, DistributedType.MULTI_CPU)
+        return data_parallel_type(self.backend)
 
     def wait_for_everyone(self) -> None:
         if self.num_processes > 1:
