@@ -251,13 +251,13 @@ class CollectiveMonitor:
         number, description, waiting, _ = state = self.state
         mine: dict[str, Any] = {"number": number, "description": description, "waiting": waiting,
                                 "where": self._where[1] if self._where[0] is state else None}
-        places: dict[tuple[Any, ...], list[int]] = {}
+        places: dict[tuple[Any, ...] | None, list[int]] = {}
         for r, e in sorted({**entries, self.rank: mine}.items()):
-            place = (None,) if e is None else (e["number"], e["description"], e["waiting"], e.get("where"))
+            place = None if e is None else (e["number"], e["description"], e["waiting"], e.get("where"))
             places.setdefault(place, []).append(r)
         parts = []
         for place, ranks in places.items():
-            if place == (None,):
+            if place is None:
                 parts.append(f"{_ranks(ranks)}: no progress published")
                 continue
             n, what, waits, where = place
@@ -590,8 +590,9 @@ def _kind_of(filename: str) -> int:
         internal = {here}  # backends/, however it was reached (xshard/backends is a link to it)
         for module in ("xshard", "torch"):
             loaded = sys.modules.get(module)
-            if loaded is not None and getattr(loaded, "__file__", None):
-                internal.add(os.path.dirname(os.path.abspath(loaded.__file__)))
+            where = getattr(loaded, "__file__", None) if loaded is not None else None
+            if where:
+                internal.add(os.path.dirname(os.path.abspath(where)))
         internal |= {os.path.realpath(d) for d in internal}
         paths = sysconfig.get_paths()
         library = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if paths.get(k)}

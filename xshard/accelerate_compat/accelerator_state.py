@@ -21,7 +21,7 @@ import re
 import sys
 import warnings
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 __all__ = ["AcceleratorState", "DeepSpeedPluginView", "DistributedType", "FSDPPluginView", "GradientState",
            "share_with_accelerate", "unshare_with_accelerate"]
@@ -50,7 +50,7 @@ class DistributedType(str, Enum):
         if isinstance(value, str) and re.fullmatch(r"MULTI_[A-Z][A-Z0-9_]*", value):
             member = str.__new__(cls, value)
             member._name_ = member._value_ = value
-            return cls._value2member_map_.setdefault(value, member)
+            return cast("DistributedType", cls._value2member_map_.setdefault(value, member))
         return None
 
 
