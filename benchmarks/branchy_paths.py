@@ -61,19 +61,8 @@ CONFIGS = ("branchy-0", "branchy-3", "same-0", "same-3")
 # ------------------------------------------------------------------------------------------ one rank
 def _model(args: argparse.Namespace):
     import torch
-    import torch.nn.functional as F
+    from mlp import Block  # x + W2 gelu(W1 x): one unit
     from torch import nn
-
-    class Block(nn.Module):
-        """x + W2 gelu(W1 x): one unit."""
-
-        def __init__(self, d: int) -> None:
-            super().__init__()
-            self.fc1 = nn.Linear(d, 4 * d)
-            self.fc2 = nn.Linear(4 * d, d)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x + self.fc2(F.gelu(self.fc1(x)))
 
     class Branchy(nn.Module):
         """Token and patch embeddings (the root), an image tower, text blocks, routed experts, a head."""

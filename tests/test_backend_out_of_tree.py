@@ -12,27 +12,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from support.distributed import run_workers
+from support.toy_backend import ToyBackend
 
-from xshard.backends import Backend, PeakTable, World, peak_tflops_table, register_backend, unregister_backend
+from xshard.backends import PeakTable, World, peak_tflops_table, register_backend, unregister_backend
 
 NAME = "factsdev"
 
 
-class FactsBackend(Backend):
-    """A device family of its own ("Facts Chip" on the host CPU, over gloo) with facts of its own."""
+class FactsBackend(ToyBackend):
+    """A device family of its own ("Facts Chip" on the host CPU, over gloo: the toy backend's host devices)
+    with facts of its own."""
 
     name = NAME
-    device_type = "cpu"
-    dist_backend = "gloo"
     peak_tflops = PeakTable({"Facts Chip 1": {"fp32": (42.0, "the Facts Chip datasheet")}},
                             ((("facts chip",), "Facts Chip 1"),))
     emptied = 0  # how often this process's cache was emptied
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        return None if dist.is_available() and dist.is_gloo_available() else "this torch build has no gloo"
 
     @classmethod
     def accelerate_distributed_type(cls) -> str:
@@ -43,27 +38,6 @@ class FactsBackend(Backend):
 
     def empty_cache(self) -> None:
         type(self).emptied += 1
-
-    def device_count(self) -> int:
-        return 1
-
-    def device(self, local_rank: int | None = None) -> torch.device:
-        return torch.device("cpu")
-
-    def set_device(self, local_rank: int | None = None) -> None:
-        """One host device: nothing to bind."""
-
-    def synchronize(self) -> None:
-        """Host work is synchronous."""
-
-    def rng_state(self) -> torch.Tensor | None:
-        return None
-
-    def memory_stats(self) -> dict[str, int]:
-        return {"allocated": 0, "peak": 0}
-
-    def reset_peak_memory_stats(self) -> None:
-        """No allocator statistics on the host."""
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from support.distributed import run_workers
-from support.sharding_harness import GRAD_RTOL, gradient_norms
+from support.sharding_harness import assert_each_rank_like, gradient_norms
 from torch import nn
 
 pytestmark = pytest.mark.multiprocess
@@ -158,23 +158,8 @@ def _worker(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str
 
 
 def _assert_like_reference(results: list[dict[str, Any]], ref: dict[str, Any], label: str, atol: float = 2e-6) -> None:
-    world = len(results)
-    for rank, r in enumerate(results):
-        mine = [losses[rank] for losses in ref["losses"]]
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(mine), atol=atol, rtol=0,
-                                   msg=lambda m, rank=rank: f"{label}: rank {rank}'s losses: {m}")
-        for step, (got, want) in enumerate(zip(r["grads"], ref["grads"], strict=True)):
-            assert set(got) == set(want), (f"{label}: step {step}, rank {rank}: parameters with a gradient differ: "
-                                           f"{sorted(set(got) ^ set(want))}")
-            for name, norm in want.items():
-                assert abs(got[name] - norm) <= atol + GRAD_RTOL * norm, \
-                    f"{label}: step {step}, rank {rank}, {name}: gradient norm {got[name]} vs {norm}"
-        for a, b in zip(r["norms"], ref["norms"], strict=True):
-            assert abs(a - b) <= atol + GRAD_RTOL * b, f"{label}: clip norm {a} vs {b}"
+    assert_each_rank_like(results, ref, atol, label)
     state = results[0]["state"]
-    for key, value in ref["state"].items():
-        torch.testing.assert_close(state[key], value, atol=atol, rtol=0,
-                                   msg=lambda m, key=key: f"{label} {key} (world {world}): {m}")
     untouched = build()
     for key in ("experts.2.lin.weight", "experts.2.lin.bias"):  # no token ever reached it: AdamW left it alone
         assert torch.equal(state[key], untouched.state_dict()[key]), f"{label}: {key} moved though no rank used it"

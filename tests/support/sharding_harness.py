@@ -267,3 +267,27 @@ def assert_same_gradients(results: list[dict[str, Any]], ref: dict[str, Any], at
                 assert abs(a - b) <= atol + tol * abs(b), (
                     f"{label} step {step} rank {rank}: gradient norm of {name} {a} vs reference {b} "
                     f"(ratio {a / b if b else float('inf'):.4f})")
+
+
+def assert_each_rank_like(results: list[dict[str, Any]], ref: dict[str, Any], atol: float, label: str = "",
+                          state_atol: float | None = None) -> None:
+    """Ranks that each ran their own batch against one plain process that ran them all (``ref["losses"]``: per
+    micro-step, every rank's loss): each rank's losses, the set of parameters holding a gradient and each one's
+    norm at every step, the clip norms, and rank 0's final weights (within ``state_atol``, default ``atol``)."""
+    tol = f"{label}: " if label else ""
+    for rank, r in enumerate(results):
+        mine = [losses[rank] for losses in ref["losses"]]
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(mine), atol=atol, rtol=0,
+                                   msg=lambda m, rank=rank: f"{tol}rank {rank}'s losses: {m}")
+        for step, (got, want) in enumerate(zip(r["grads"], ref["grads"], strict=True)):
+            assert set(got) == set(want), (f"{tol}step {step}, rank {rank}: parameters with a gradient differ: "
+                                           f"{sorted(set(got) ^ set(want))}")
+            for name, norm in want.items():
+                assert abs(got[name] - norm) <= atol + GRAD_RTOL * norm, \
+                    f"{tol}step {step}, rank {rank}, {name}: gradient norm {got[name]} vs {norm}"
+        for a, b in zip(r["norms"], ref["norms"], strict=True):
+            assert abs(a - b) <= atol + GRAD_RTOL * b, f"{tol}clip norm {a} vs {b}"
+    state = results[0]["state"]
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(state[key], value, atol=atol if state_atol is None else state_atol, rtol=0,
+                                   msg=lambda m, key=key: f"{tol}{key}: {m}")
