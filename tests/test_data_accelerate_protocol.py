@@ -26,11 +26,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from support.jobs import run_job
+from support.jobs import run_anchor, run_job
 from support.side_by_side import side_by_side
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -185,8 +186,14 @@ def _run(accelerator: str, cwd: Path, pattern: str, stage: int | None = None, *a
         env["ACCELERATE_USE_CPU"] = "true"
     else:
         env["XSHARD_STAGE"] = str(stage)
-    launcher = TORCHRUN if accelerator == "accelerate" else XSHARD
-    proc = run_job([*launcher, str(SCRIPT), "--pattern", pattern, *args], timeout=200, cwd=cwd, env=env)
+    if accelerator == "accelerate":  # the anchor: read from the file it writes, its exit is not under test
+        result = cwd / f"anchor-result-{uuid.uuid4().hex}.json"
+        env["RESULT_FILE"] = str(result)
+        anchor = run_anchor([*TORCHRUN, str(SCRIPT), "--pattern", pattern, *args], written=result.exists,
+                            timeout=200, cwd=cwd, env=env)
+        assert anchor.written, anchor.stdout[-2000:] + anchor.stderr[-4000:]
+        return json.loads(result.read_text())
+    proc = run_job([*XSHARD, str(SCRIPT), "--pattern", pattern, *args], timeout=200, cwd=cwd, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, proc.stdout[-2000:]
