@@ -1,7 +1,7 @@
 """ShardedEngine: when units gather, run, reduce and free, driven by module and autograd hooks.
 
 Forward: a unit's forward pre-hook follows the user's ``requires_grad``, waits for (or issues) its
-all-gather, prefetches the next units in the previous forward's order, swaps the full parameters in
+all-gather, prefetches the next units in the canonical order, swaps the full parameters in
 and routes the unit's grad-requiring inputs through ``_PostBackward``; its forward hook swaps the
 user's Parameters back, frees the full parameters when the plan reshards after forward (except the
 root unit's while gradients are on: its parameters are needed first in backward, as in PyTorch
@@ -9,7 +9,7 @@ FSDP2) and hooks the outputs' gradients. A forward that no backward follows (eva
 every gather it prefetched.
 
 Backward: the first gradient reaching a unit's outputs ("pre-backward") gathers the unit again and
-prefetches the next units in reverse forward order; ``_PostBackward`` fires once autograd has
+prefetches the next units in the reverse canonical order; ``_PostBackward`` fires once autograd has
 produced the gradients of the unit's inputs, which comes after its parameters' gradients
 (AccumulateGrad runs first in the engine's ready queue), so the unit's gradients are complete: it is
 reduced (asynchronously) when the plan reduces as gradients are ready, and freed. A callback queued
