@@ -233,7 +233,7 @@ def test_a_job_off_xla_where_torch_xla_is_installed_is_warned_of_transformers_tp
     takes its TPU paths (its logged loss would be rank 0's alone); one warning names USE_TORCH_XLA=0."""
     import transformers.utils
 
-    from xshard.trainer.runtime import build_accelerator
+    from xshard.trainer.accelerator_setup import build_accelerator
 
     args = _args(tmp_path)
     find_spec = importlib.util.find_spec
@@ -299,7 +299,7 @@ def test_the_mixin_joins_trls_sft_config(tmp_path):
 def _bound(kind: str, tmp_path):
     """Arguments of ``kind`` as the Trainer holds them on xshard: bound to the job's Accelerator by the mixin
     (``create_accelerator_and_postprocess``), their backend as a running job leaves it."""
-    from xshard.trainer.runtime import bind_arguments, build_accelerator
+    from xshard.trainer.accelerator_setup import bind_arguments, build_accelerator
 
     out = str(tmp_path / kind)
     if kind == "xshard":

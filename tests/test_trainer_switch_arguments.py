@@ -75,4 +75,4 @@ def test_stock_arguments_and_trainers_get_xshards_meaning_under_the_switch(tmp_p
     assert lines["parsed"] == "['full_shard', 'auto_wrap'] 0.1 3"
     assert lines["to_dict has warmup_ratio"] == "False"
     assert lines["saved as stock"] == "True copy keeps: True"
-    assert lines["trainer"] == "MyTrainer True xshard.trainer.runtime"
+    assert lines["trainer"] == "MyTrainer True xshard.trainer.accelerator_setup"

@@ -39,7 +39,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..runtime.throughput import throughput_values
 from . import checkpoints
-from .runtime import bind_arguments, build_accelerator
+from .accelerator_setup import bind_arguments, build_accelerator
 from .trl_generation import route_trl_generation
 
 if TYPE_CHECKING:  # the checker reads the mixin's members on the Trainer it joins; at run time its base is object
