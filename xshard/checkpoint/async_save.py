@@ -179,12 +179,19 @@ class HostStaging:
 
 
 class StagingWriter:
-    """``FileWriter``'s interface: records each file with its data copied to host memory, for ``replay``."""
+    """A ``writer.Writer`` that records each file with its data copied to host memory, for ``replay``."""
+
+    counts_only = False
 
     def __init__(self, rank: int, staging: HostStaging) -> None:
         self.rank = rank
         self._staging = staging
         self._files: list[tuple[str, str, tuple[Any, ...]]] = []
+
+    @property
+    def files(self) -> dict[str, str]:
+        """The files recorded so far: name -> how ``replay`` writes it ("image", "torch" or "text")."""
+        return {name: kind for kind, name, _ in self._files}
 
     def safetensors(self, name: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] = PT_METADATA) -> None:
         """Record a safetensors file, as the image of its bytes (``HostStaging.image``)."""
@@ -236,7 +243,7 @@ class AsyncSaver:
             saver = job.async_saver = cls(job)
         return saver
 
-    def start(self, tmp: Path, final: Path, write_files: Callable[[Any], dict[str, Any]],
+    def start(self, tmp: Path, final: Path, write_files: Callable[[StagingWriter], dict[str, Any]],
               commit: Callable[[], None] | None, synchronize: Callable[[], None]) -> None:
         """Copy this rank's files to host memory (``write_files`` with a ``StagingWriter``; collectives run
         here, in the caller's thread), then write them and, on rank 0 (``commit``), commit in the background."""

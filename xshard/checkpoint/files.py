@@ -105,8 +105,10 @@ class FileWriter:
     ``on_bytes`` (e.g. a progress bar's ``update``) hears of every block written. When the disk fills
     up, the file is removed, ``no_space`` keeps the error and every later file is only counted
     (``bytes_needed``), so that this rank still takes part in every collective of the save and the
-    message can say how much the checkpoint needs.
+    message can say how much the checkpoint needs. A ``writer.Writer``.
     """
+
+    counts_only = False
 
     def __init__(self, folder: Path, rank: int, on_bytes: Callable[[int], None] | None = None) -> None:
         self.folder = folder

@@ -30,6 +30,7 @@ is refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ import torch
 from ..runtime.rank_logging import get_logger
 from .files import CheckpointError, CheckpointMismatchError
 from .formats import optimizer_param_keys, read_model_rows, read_optimizer_rows
+from .load_plan import LoadPlan
 from .sources import DcpSource, DictSource, SafetensorsSource
 
 if TYPE_CHECKING:
@@ -201,35 +203,51 @@ def _loader_position(folder: Path, i: int, loader: Any) -> dict[str, Any] | None
     return {"epoch": loader.epoch, "batches_consumed": yielded}
 
 
-def read_plan(job: JobState, folder: Path) -> dict[str, Any]:
+def read_plan(job: JobState, folder: Path) -> LoadPlan:
     """Everything this rank needs from an Accelerate folder, checked against the job; changes nothing."""
-    plan: dict[str, Any] = {"models": [], "optimizers": []}
-    for i, model in enumerate(job.models):
-        plan["models"].append(read_model_rows(_model_source(folder, i), model, f"model {i}"))
+    models: list[dict[str, torch.Tensor] | None] = [read_model_rows(_model_source(folder, i), model, f"model {i}")
+                                                    for i, model in enumerate(job.models)]
+    optimizers: list[dict[str, Any] | None] = []
     for i, opt in enumerate(job.optimizers):
         source, record = _optimizer_source(folder, i, optimizer_param_keys(opt.optimizer, job.models))
-        plan["optimizers"].append(read_optimizer_rows(source, record, opt.optimizer, job.models, f"optimizer {i}",
-                                                      job.rank, job.world_size))
+        optimizers.append(read_optimizer_rows(source, record, opt.optimizer, job.models, f"optimizer {i}",
+                                              job.rank, job.world_size))
     schedulers = []
     for i in range(len(job.schedulers)):
         path = folder / _indexed("scheduler", i, ".bin")
         if not path.is_file():
             raise CheckpointError(f"{folder}: no state of LR scheduler {i} (expected {path.name})")
         schedulers.append(_torch_load(path))
-    plan["schedulers"] = schedulers
+    plan = LoadPlan(step=job.step, models=models, optimizers=optimizers, schedulers=schedulers)
     if job.scaler is not None and (folder / "scaler.pt").is_file():
-        plan["scaler"] = _torch_load(folder / "scaler.pt")
+        plan.scaler = _torch_load(folder / "scaler.pt")
     rng = _rng(folder, job.rank)
     if rng is not None:
         # Accelerate's ``step`` counts micro-steps since the data loader's start, for the accumulation
         # window; it does not count optimizer steps, so xshard's step stays where it is.
-        plan["micro_step"] = rng.pop("accelerate_step") % max(1, job.gradient_accumulation_steps)
-        plan["rng"] = rng
-    plan["step"] = job.step
-    plan["data"] = [_loader_position(folder, i, loader) for i, loader in enumerate(job.loaders)]
-    if any(position is None for position in plan["data"]):
+        plan.micro_step = rng.pop("accelerate_step") % max(1, job.gradient_accumulation_steps)
+        plan.rng = rng
+    plan.data = [_loader_position(folder, i, loader) for i, loader in enumerate(job.loaders)]
+    if any(position is None for position in plan.data):
         log.info("%s is an Accelerate checkpoint without the position of every data loader (dl_state_dict.bin: "
                  "Accelerate saves it with use_stateful_dataloader=True): those start at the beginning of their "
                  "epoch, as after Accelerate's load_state; skip batches yourself if you need to", folder)
     log.info("reading an Accelerate checkpoint from %s", folder)
     return plan
+
+
+class AccelerateFolderFormat:
+    """Folders Accelerate's ``save_state`` wrote (FSDP or DDP): a ``format_protocol.ForeignFormat``."""
+
+    name = "accelerate"
+
+    def recognises(self, folder: Path) -> bool:
+        """Whether ``folder`` holds a file only Accelerate's ``save_state`` writes."""
+        return is_foreign_checkpoint(folder)
+
+    def read(self, job: JobState, folder: Path, on_bytes: Callable[[int], None] | None = None) -> LoadPlan:
+        """This rank's plan of the folder (``read_plan``; the bytes read are not counted)."""
+        return read_plan(job, folder)
+
+
+ACCELERATE_FOLDER = AccelerateFolderFormat()

@@ -59,12 +59,11 @@ from .files import (
     MANIFEST,
     CheckpointError,
     CheckpointMismatchError,
-    FileWriter,
     load_torch,
     verify_file,
 )
+from .writer import Writer
 
-STATE_DICT_TYPES = ("full", "local", "sharded")
 #: file of the optimizers' param groups when the optimizer state is stored by rows
 GROUPS_FILE = "optimizer.groups.pt"
 PER_RANK = "@rank"  # suffix of state stored per rank: "<param>/<state>@rank<R>"
@@ -98,7 +97,7 @@ def _rows_view(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
 # ---------------------------------------------------------------------- writing
 
 
-def write_full_model(writer: FileWriter, i: int, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+def write_full_model(writer: Writer, i: int, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Rank 0: the gathered state dict as one safetensors file; returns its row table. A tied weight (one
     tensor under several names) is stored once, under its first name, as transformers saves it."""
     name = model_file(i)
@@ -110,7 +109,7 @@ def write_full_model(writer: FileWriter, i: int, weights: dict[str, torch.Tensor
             for k, v in weights.items()}
 
 
-def write_model_rows(writer: FileWriter, i: int, model: Any) -> dict[str, Any]:
+def write_model_rows(writer: Writer, i: int, model: Any) -> dict[str, Any]:
     """This rank's rows of every entry (replicated ones from rank 0 only); returns this rank's table."""
     name = model_file(i, writer.rank)
     tensors: dict[str, torch.Tensor] = {}
@@ -148,7 +147,7 @@ def optimizer_param_keys(optimizer: torch.optim.Optimizer, models: list[Any]) ->
     return out
 
 
-def write_optimizer_rows(writer: FileWriter, i: int, optimizer: torch.optim.Optimizer, models: list[Any],
+def write_optimizer_rows(writer: Writer, i: int, optimizer: torch.optim.Optimizer, models: list[Any],
                          world_size: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """This rank's rows of optimizer ``i``'s state; returns (row table, groups record for rank 0)."""
     name = optimizer_file(i, writer.rank)

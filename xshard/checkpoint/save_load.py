@@ -29,21 +29,23 @@ unfinished accumulation window are not saved (a warning says so): save at the en
 Resuming never silently starts over: a folder that does not exist or holds no checkpoint is an
 error naming it, unless the caller opts in with ``missing_ok=True`` (a script's first run, before
 any checkpoint exists). A folder written by Accelerate for an FSDP model loads too (foreign.py).
+
+What each format writes and reads is the format's own (``format_registry.py`` maps a ``state_dict_type``
+or a foreign folder to its object); this module keeps what every format shares: the agreement of the
+ranks, the manifest, the commit and the rotation, and putting a checked ``LoadPlan`` into the job.
 """
 
 from __future__ import annotations
 
 import copy
 import errno
-import io
 import json
-import math
 import os
-import random
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,7 +53,7 @@ from .._version import __version__
 from ..errors import because_of
 from ..runtime.rank_logging import get_logger
 from . import async_save as background
-from . import foreign, formats, output_lock, trainer_folder
+from . import format_registry, formats, output_lock
 from .files import (
     FORMAT_VERSION,
     MANIFEST,
@@ -65,15 +67,16 @@ from .files import (
     commit,
     complete_checkpoints,
     latest_checkpoint,
-    load_torch,
     near_name,
-    read_manifest,
     rotate,
     series,
     stand_in,
     write_manifest,
 )
+from .job_files import RngStates, job_facts
+from .load_plan import LoadPlan
 from .progress import slow_progress
+from .writer import SizeWriter
 
 if TYPE_CHECKING:
     from ..runtime.job import JobState
@@ -82,89 +85,13 @@ __all__ = ["CheckpointError", "CheckpointMismatchError", "latest_checkpoint", "l
 
 log = get_logger("xshard.checkpoint")
 
-_COUNTS = ("models", "optimizers", "schedulers", "data_loaders", "fp16_scaler")
-
-
-def _hybrid_group(job: JobState) -> int | None:
-    """The shard group size under hybrid sharding (None: sharded over the whole world, or not at all)."""
-    sizes = {m.plan.shard_group_size for m in job.models if m.plan.shard_parameters}
-    size = min(sizes) if sizes else job.world_size
-    return None if size == job.world_size else size
-
-
-def _job(job: JobState) -> dict[str, Any]:
-    return {
-        "world_size": job.world_size,
-        "shard_group_size": _hybrid_group(job),
-        "stage": job.stage(),
-        "backend": job.backend.name,
-        "models": len(job.models),
-        "optimizers": len(job.optimizers),
-        "schedulers": len(job.schedulers),
-        "data_loaders": len(job.loaders),
-        "fp16_scaler": job.scaler is not None,
-    }
-
-
-def _rng_state(job: JobState) -> dict[str, Any]:
-    # Plain tensors, tuples and ints only, so that torch.load(weights_only=True) reads it back.
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    # What each loader's rank alone knows of its position: the base seed its epoch drew from this rank's RNG,
-    # and a stateful stream's own state (``ShardedDataLoader.rank_state_dict``).
-    state["data_loaders"] = [loader.rank_state_dict() if hasattr(loader, "rank_state_dict") else {}
-                             for loader in job.loaders]
-    device = job.backend.rng_state()
-    if device is not None:
-        state["device"] = device.detach().cpu()
-    try:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = cast("tuple[Any, ...]", np.random.get_state())  # the legacy tuple
-        state["numpy"] = (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
-    except ImportError:
-        pass
-    return state
-
-
-def _set_rng_state(job: JobState, state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    job.backend.set_rng_state(state.get("device"))
-    seeds = state.get("data_loaders") or []  # none in an older or a foreign checkpoint: the next pass draws afresh
-    for i, loader in enumerate(job.loaders):
-        if hasattr(loader, "load_rank_state_dict"):
-            loader.load_rank_state_dict(seeds[i] if i < len(seeds) else None)
-    if "numpy" in state:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-
-
-class _RngStates:
-    """The job's RNG states as an object with a state dict (so that a load can put them back)."""
-
-    def __init__(self, job: JobState) -> None:
-        self.job = job
-
-    def state_dict(self) -> dict[str, Any]:
-        return _rng_state(self.job)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        _set_rng_state(self.job, state)
-
-
-def _model_config(model: Any) -> str | None:
-    config = getattr(getattr(model, "module", model), "config", None)
-    to_json = getattr(config, "to_json_string", None)
-    return to_json() if callable(to_json) else None
-
 
 def save_state(job: JobState, directory: str | os.PathLike, state_dict_type: str | None = None,
                save_total_limit: int | None = None, async_save: bool = False) -> Path:
     """Write the job's state to ``directory`` (every rank calls this); returns the final path.
 
-    ``state_dict_type``: "full", "local" or "sharded" (default: the config's). ``save_total_limit``:
+    ``state_dict_type``: "full", "local", "sharded" or another registered format's name
+    (``format_registry.py``; default: the config's). ``save_total_limit``:
     afterwards keep only that many complete checkpoints of ``directory``'s numbered series
     (``checkpoint-<n>``) in its parent folder, deleting the oldest (never the one just written).
     Files in ``directory`` that xshard did not write are kept; one that a checkpoint file would
@@ -175,8 +102,7 @@ def save_state(job: JobState, directory: str | os.PathLike, state_dict_type: str
     """
     wait_for_background_save(job)
     kind = state_dict_type or job.config.state_dict_type
-    if kind not in formats.STATE_DICT_TYPES:
-        raise ValueError(f"state_dict_type={kind!r}: use one of {', '.join(formats.STATE_DICT_TYPES)}")
+    fmt = format_registry.writing_format(kind)  # a ValueError naming the accepted types
     final = Path(directory)
     if save_total_limit is not None:
         _check_rotation(final, save_total_limit)
@@ -202,7 +128,7 @@ def save_state(job: JobState, directory: str | os.PathLike, state_dict_type: str
     if async_save:
         background_commit = ((lambda: _commit(tmp, final, head, job.world_size, save_total_limit))
                              if job.is_main_process else None)
-        background.AsyncSaver.of(job).start(tmp, final, lambda staged: _write_files(job, staged, kind),
+        background.AsyncSaver.of(job).start(tmp, final, lambda staged: fmt.write(job, staged),
                                             background_commit, job.backend.synchronize)
         return final
 
@@ -210,7 +136,7 @@ def save_state(job: JobState, directory: str | os.PathLike, state_dict_type: str
     try:
         with slow_progress(f"saving {final.name}") as bar:
             writer.on_bytes = bar.update
-            tables = _write_files(job, writer, kind)
+            tables = fmt.write(job, writer)
         # Each rank's file list and row tables travel to rank 0 through the shared folder.
         if writer.no_space is None:
             (tmp / f"fragment.rank{job.rank}.json").write_text(
@@ -295,7 +221,7 @@ def _manifest_head(job: JobState, kind: str) -> dict[str, Any]:
         "format_version": FORMAT_VERSION,
         "xshard_version": __version__,
         "state_dict_type": kind,
-        **_job(job),
+        **job_facts(job),
         "step": job.step,
         "micro_step": job.micro_step,
         "config": job.config.to_dict(),
@@ -370,122 +296,21 @@ def _agree_on_save(job: JobState, final: Path, tmp: Path, error: BaseException |
                                         "was kept")
 
 
-class _SizeWriter:
-    """``FileWriter``'s interface, writing nothing: each file's name and bytes (safetensors: the tensors' bytes,
-    without the small header; ``torch.save`` files serialised in memory)."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.files: dict[str, int] = {}
-
-    def safetensors(self, name: str, tensors: dict[str, torch.Tensor], metadata: Any = None) -> None:
-        self.files[name] = sum(t.numel() * t.element_size() for t in tensors.values())
-
-    def torch(self, name: str, obj: Any) -> None:
-        buffer = io.BytesIO()
-        torch.save(obj, buffer)
-        self.files[name] = buffer.tell()
-
-    def text(self, name: str, text: str) -> None:
-        self.files[name] = len(text.encode())
-
-
 def planned_files(job: JobState, state_dict_type: str | None = None) -> dict[str, int]:
     """The files this rank would write in ``save_state`` (name -> bytes), written nowhere (a dry run asks).
 
-    The same code as a save, through a writer that only counts, but one part: a ``full`` checkpoint's model
-    file, which a save gathers on rank 0, is counted from the model's shapes (a dry run of a large model could
-    not hold it whole), its ties once.
+    The same code as a save, through a writer that only counts (``writer.SizeWriter``): the format asks it
+    ``counts_only`` where counting may skip work (a ``full`` checkpoint's model file, which a save gathers on
+    rank 0, is counted from the model's shapes, its ties once).
     """
-    writer = _SizeWriter(job.rank)
-    _write_files(job, writer, state_dict_type or job.config.state_dict_type)  # type: ignore[arg-type]
+    writer = SizeWriter(job.rank)
+    format_registry.writing_format(state_dict_type or job.config.state_dict_type).write(job, writer)
     return writer.files
 
 
-def _write_files(job: JobState, writer: FileWriter, kind: str) -> dict[str, Any]:
-    """This rank's files of a ``kind`` checkpoint; returns its row tables."""
-    tables: dict[str, Any] = {}
-    models = job.models
-    for i, model in enumerate(models):
-        if kind == "full" and isinstance(writer, _SizeWriter):  # counted from the shapes: no gather (planned_files)
-            if job.is_main_process:
-                from ..sharding.state_dict import local_pieces
-
-                pieces = {id(p.tensor): p for p in local_pieces(model).values()}.values()  # a tie once
-                writer.files[formats.model_file(i)] = sum(math.prod(p.shape) * p.tensor.element_size() for p in pieces)
-        elif kind == "full":
-            weights = model.full_state_dict(rank0_only=True)  # every rank takes part; complete on rank 0
-            if job.is_main_process:
-                tables[f"model{i}"] = formats.write_full_model(writer, i, weights)
-            del weights
-        else:
-            tables[f"model{i}"] = formats.write_model_rows(writer, i, model)
-    if kind == "local":
-        writer.torch(f"optimizer.rank{job.rank}.pt", [opt.state_dict() for opt in job.optimizers])
-    else:
-        groups = []
-        for i, opt in enumerate(job.optimizers):
-            tables[f"optimizer{i}"], record = formats.write_optimizer_rows(writer, i, opt.optimizer, models,
-                                                                           job.world_size)
-            groups.append(record)
-        if job.is_main_process:
-            writer.torch(formats.GROUPS_FILE, groups)
-    writer.torch(f"rng.rank{job.rank}.pt", _rng_state(job))
-    if job.is_main_process:
-        writer.torch("scheduler.pt", [s.state_dict() for s in job.schedulers])
-        writer.torch("data.pt", [d.state_dict() for d in job.loaders])
-        if job.scaler is not None:
-            writer.torch("scaler.pt", job.scaler.state_dict())
-        _write_custom(job, writer)
-        config_json = _model_config(models[0]) if models else None
-        if config_json is not None:
-            writer.text("config.json", config_json)
-    return tables
-
-
-def _read_everything(job: JobState, root: Path, on_bytes: Any = None) -> dict[str, Any]:
-    """Read and check all this rank needs from the checkpoint; change nothing."""
-    if not (root / MANIFEST).is_file() and foreign.is_foreign_checkpoint(root):
-        return foreign.read_plan(job, root)
-    if not (root / MANIFEST).is_file() and trainer_folder.is_trainer_checkpoint(root):
-        return trainer_folder.read_plan(job, root)
-    manifest = read_manifest(root)
-    kind = manifest.get("state_dict_type")
-    if kind not in formats.STATE_DICT_TYPES:
-        raise CheckpointError(f"{root / MANIFEST}: key 'state_dict_type' is {kind!r}, expected one of "
-                              f"{', '.join(formats.STATE_DICT_TYPES)}")
-    optimizer_by_rows = formats.GROUPS_FILE in manifest.get("files", {})
-    if optimizer_by_rows:
-        formats.check_same_job(manifest, _job(job), root, _COUNTS)
-    else:  # "local" (or "full" of format 2): each rank's optimizer state as it was, in its shard groups
-        formats.check_same_job(manifest, _job(job), root, ("world_size", "shard_group_size", "stage", *_COUNTS))
-    reader = formats.RowReader(root, manifest, on_bytes)
-    tables = manifest.get("tables", {})
-    plan: dict[str, Any] = {"step": manifest.get("step", 0), "micro_step": manifest.get("micro_step", 0),
-                            "models": [], "optimizers": []}
-    for i, model in enumerate(job.models):
-        table = tables.get(f"model{i}")
-        if table is None:
-            raise CheckpointError(f"{root / MANIFEST}: key 'tables' has no 'model{i}'")
-        source = formats.TableSource(reader, table)
-        plan["models"].append(formats.read_model_rows(source, model, f"model {i}"))
-    if optimizer_by_rows:
-        records = load_torch(root, formats.GROUPS_FILE, manifest, on_bytes)
-        for i, opt in enumerate(job.optimizers):
-            source = formats.TableSource(reader, tables.get(f"optimizer{i}", {}))
-            plan["optimizers"].append(formats.read_optimizer_rows(
-                source, records[i], opt.optimizer, job.models, f"optimizer {i}", job.rank, job.world_size))
-    else:
-        plan["optimizers"] = formats.load_rank_optimizers(root, manifest, job.rank, on_bytes)
-    plan["schedulers"] = load_torch(root, "scheduler.pt", manifest, on_bytes)
-    plan["data"] = load_torch(root, "data.pt", manifest, on_bytes)
-    plan["scaler"] = load_torch(root, "scaler.pt", manifest, on_bytes) if job.scaler is not None else None
-    plan["custom"] = _read_custom(job, root, manifest, on_bytes)
-    rng_name = f"rng.rank{job.rank}.pt"
-    # A different world size: ranks without their own RNG file take rank 0's.
-    plan["rng"] = load_torch(root, rng_name if rng_name in manifest["files"] else "rng.rank0.pt", manifest,
-                             on_bytes)
-    return plan
+def _read_everything(job: JobState, root: Path, on_bytes: Callable[[int], None] | None = None) -> LoadPlan:
+    """Read and check all this rank needs from the checkpoint (its format's ``read``); change nothing."""
+    return format_registry.reading_format(root).read(job, root, on_bytes)
 
 
 #: ranks below this are named by a failed save's agreement: one bit each of an int64 value
@@ -561,13 +386,13 @@ def load_state(job: JobState, directory: str | os.PathLike, *, missing_ok: bool 
     wait_for_background_save(job)
     root = Path(directory)
     old = stand_in(root)
-    if old is not None and not foreign.is_foreign_checkpoint(root):  # a crash while commit() replaced it
+    if old is not None and format_registry.foreign_format(root) is None:  # a crash while commit() replaced it
         root = old
     if missing_ok and not _present_everywhere(job, root.exists(), root):
         log.info("no checkpoint at %s (missing_ok=True): starting from scratch", root)
         return None
     error: BaseException | None = None
-    plan: dict[str, Any] = {}
+    plan: LoadPlan | None = None
     try:
         with slow_progress(f"loading {root.name}") as bar:
             plan = _read_everything(job, root, bar.update)
@@ -577,34 +402,14 @@ def load_state(job: JobState, directory: str | os.PathLike, *, missing_ok: bool 
         if error is not exc:
             error.__cause__ = exc
     _agree(job, error, root)
+    assert plan is not None  # every rank read its plan: _agree raised otherwise
     _apply(job, plan, root)
     job.barrier()
     log.info("resumed from %s (step %d)", root, job.step)
     return root
 
 
-def _custom_name(index: int) -> str:
-    return f"custom_checkpoint_{index}.pt"
-
-
-def _write_custom(job: JobState, writer: FileWriter) -> None:
-    """Registered objects' ``state_dict()`` (main process; loaded back with ``weights_only=True``)."""
-    for i, obj in enumerate(job.custom_objects):
-        writer.torch(_custom_name(i), obj.state_dict())
-
-
-def _read_custom(job: JobState, root: Path, manifest: dict[str, Any], on_bytes: Any = None) -> list[Any]:
-    """The registered objects' states; the checkpoint must hold one per registered object."""
-    saved = sum(1 for name in manifest.get("files", {}) if name.startswith("custom_checkpoint_"))
-    if saved != len(job.custom_objects):
-        raise CheckpointMismatchError(
-            f"{root}: the checkpoint holds {saved} object(s) registered for checkpointing but this job registered "
-            f"{len(job.custom_objects)}: call accelerator.register_for_checkpointing(...) with the same objects "
-            "before load_state")
-    return [load_torch(root, _custom_name(i), manifest, on_bytes) for i in range(saved)]
-
-
-def _apply(job: JobState, plan: dict[str, Any], root: Path) -> None:
+def _apply(job: JobState, plan: LoadPlan, root: Path) -> None:
     """Put a checked plan into the job's objects (parts a foreign checkpoint lacks are None: kept).
 
     All or nothing: the small objects (schedulers, data loaders, scaler, registered objects) go first,
@@ -613,12 +418,13 @@ def _apply(job: JobState, plan: dict[str, Any], root: Path) -> None:
     """
     from ..sharding.state_dict import load_local_pieces
 
-    small = [*zip(job.schedulers, plan.get("schedulers") or [None] * len(job.schedulers), strict=True),
-             *zip(job.loaders, plan.get("data") or [None] * len(job.loaders), strict=True),
-             *zip(job.custom_objects, plan.get("custom") or [], strict=False)]
-    if job.scaler is not None and plan.get("scaler") is not None:
-        small.append((job.scaler, plan["scaler"]))
-    small.append((_RngStates(job), plan.get("rng")))
+    small: list[tuple[Any, Any]] = [
+        *zip(job.schedulers, plan.schedulers or [None] * len(job.schedulers), strict=True),
+        *zip(job.loaders, plan.data or [None] * len(job.loaders), strict=True),
+        *zip(job.custom_objects, plan.custom, strict=False)]
+    if job.scaler is not None and plan.scaler is not None:
+        small.append((job.scaler, plan.scaler))
+    small.append((RngStates(job), plan.rng))
     small = [(obj, state) for obj, state in small if state is not None]
     kept = [copy.deepcopy(obj.state_dict()) for obj, _ in small]
     error: BaseException | None = None
@@ -638,14 +444,14 @@ def _apply(job: JobState, plan: dict[str, Any], root: Path) -> None:
         for (obj, _), state in zip(small[:done], kept, strict=False):
             obj.load_state_dict(state)
         raise
-    for model, rows in zip(job.models, plan["models"], strict=True):
+    for model, rows in zip(job.models, plan.models, strict=True):
         if rows is not None:  # None: a model the checkpoint does not hold (trainer_folder.py) keeps its weights
             load_local_pieces(model, rows)
-    for opt, state in zip(job.optimizers, plan["optimizers"], strict=True):
+    for opt, state in zip(job.optimizers, plan.optimizers, strict=True):
         if state is not None:
             opt.load_state_dict(state)
-    job.micro_step = int(plan.get("micro_step", 0))
-    job.step = int(plan.get("step", 0))
+    job.micro_step = int(plan.micro_step)
+    job.step = int(plan.step)
 
 
 def resume(job: JobState, output_dir: str | os.PathLike, *, missing_ok: bool = False) -> Path | None:
@@ -658,7 +464,7 @@ def resume(job: JobState, output_dir: str | os.PathLike, *, missing_ok: bool = F
     """
     wait_for_background_save(job)
     root = Path(output_dir)
-    if (root / MANIFEST).is_file() or foreign.is_foreign_checkpoint(root) or stand_in(root) is not None:
+    if (root / MANIFEST).is_file() or format_registry.foreign_format(root) is not None or stand_in(root) is not None:
         candidates = [root]
     else:
         latest = latest_checkpoint(root)  # warns about incomplete ones

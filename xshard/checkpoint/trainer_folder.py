@@ -19,13 +19,17 @@ Trainer does not save) keeps its weights, and a log line says so.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from ..runtime.rank_logging import get_logger
 from .files import CheckpointError
 from .foreign import _full_optimizer, _state_dict, _torch_load
 from .formats import optimizer_param_keys, read_model_rows, read_optimizer_rows
+from .load_plan import LoadPlan
 from .sources import DictSource, SafetensorsFilesSource, SafetensorsSource
 
 if TYPE_CHECKING:
@@ -59,34 +63,50 @@ def _model_source(folder: Path) -> Any:
                           "checkpoint-N folder the Trainer saved whole")
 
 
-def read_plan(job: JobState, folder: Path) -> dict[str, Any]:
+def read_plan(job: JobState, folder: Path) -> LoadPlan:
     """Everything this rank needs from a stock Trainer's ``checkpoint-N``, checked against the job; changes nothing."""
-    plan: dict[str, Any] = {"models": [read_model_rows(_model_source(folder), job.models[0], "the model")]
-                            if job.models else []}
+    models: list[dict[str, torch.Tensor] | None] = (
+        [read_model_rows(_model_source(folder), job.models[0], "the model")] if job.models else [])
     if len(job.models) > 1:
-        plan["models"] += [None] * (len(job.models) - 1)
+        models += [None] * (len(job.models) - 1)
         log.info("%s holds one model (the stock Trainer's checkpoint): the %d other prepared model(s) keep their "
                  "weights", folder, len(job.models) - 1)
-    plan["optimizers"] = []
+    optimizers: list[dict[str, Any] | None] = []
     for i, opt in enumerate(job.optimizers):
         path = folder / "optimizer.pt"
         if i > 0 or not path.is_file():
             raise CheckpointError(f"{folder}: no state of optimizer {i} (the stock Trainer writes one, optimizer.pt)")
         source, record = _full_optimizer(folder, path, _torch_load(path, mmap=True),
                                          optimizer_param_keys(opt.optimizer, job.models))
-        plan["optimizers"].append(read_optimizer_rows(source, record, opt.optimizer, job.models, "the optimizer",
-                                                      job.rank, job.world_size))
-    plan["schedulers"] = []
+        optimizers.append(read_optimizer_rows(source, record, opt.optimizer, job.models, "the optimizer",
+                                              job.rank, job.world_size))
+    schedulers = []
     for _ in job.schedulers:
         if not (folder / "scheduler.pt").is_file():
             raise CheckpointError(f"{folder}: no state of the LR scheduler (expected scheduler.pt)")
-        plan["schedulers"].append(_torch_load(folder / "scheduler.pt"))
-    if job.scaler is not None and (folder / "scaler.pt").is_file():
-        plan["scaler"] = _torch_load(folder / "scaler.pt")
+        schedulers.append(_torch_load(folder / "scheduler.pt"))
+    scaler = _torch_load(folder / "scaler.pt") if job.scaler is not None and (folder / "scaler.pt").is_file() else None
     try:
-        plan["step"] = int(json.loads((folder / TRAINER_STATE).read_text())["global_step"])
+        step = int(json.loads((folder / TRAINER_STATE).read_text())["global_step"])
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{folder / TRAINER_STATE} holds no global_step ({exc}); resume from a checkpoint-N "
                               "folder the Trainer saved whole") from exc
     log.info("reading the stock Trainer's checkpoint %s", folder)
-    return plan
+    return LoadPlan(step=step, models=models, optimizers=optimizers, schedulers=schedulers, scaler=scaler)
+
+
+class TrainerFolderFormat:
+    """``checkpoint-N`` folders the stock transformers Trainer wrote: a ``format_protocol.ForeignFormat``."""
+
+    name = "trainer"
+
+    def recognises(self, folder: Path) -> bool:
+        """Whether ``folder`` is a complete ``checkpoint-N`` of the stock Trainer."""
+        return is_trainer_checkpoint(folder)
+
+    def read(self, job: JobState, folder: Path, on_bytes: Callable[[int], None] | None = None) -> LoadPlan:
+        """This rank's plan of the folder (``read_plan``; the bytes read are not counted)."""
+        return read_plan(job, folder)
+
+
+TRAINER_FOLDER = TrainerFolderFormat()
