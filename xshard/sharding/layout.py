@@ -17,6 +17,7 @@ dicts, checkpoints, materialization) may know of it.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -38,6 +39,9 @@ class ShardLayout:
     can never disagree. Rank ``r`` holds rows ``[start, stop)`` (``ceil(rows / world_size)`` rows
     per rank; the last ranks' ranges may be short or empty) and, in flat terms, elements
     ``[r * seg, r * seg + local_numel)`` of the tensor, padded to ``seg`` elements.
+
+    The derived sizes are computed once per layout (``cached_property``: the fields are frozen, so a
+    cached value can never go stale); the core asks them for every parameter at every gather and reduce.
     """
 
     shape: torch.Size
@@ -57,27 +61,27 @@ class ShardLayout:
         start = min(rank * rows_per_rank, rows)
         return cls(shape, world_size, rank, rows_per_rank, row_numel, start, min(start + rows_per_rank, rows))
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         """Elements of the whole tensor."""
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def seg(self) -> int:
         """Padded shard size in elements (the same on every rank)."""
         return self.rows_per_rank * self.row_numel
 
-    @property
+    @functools.cached_property
     def local_numel(self) -> int:
         """Real (unpadded) elements this rank holds."""
         return (self.stop - self.start) * self.row_numel
 
-    @property
+    @functools.cached_property
     def local_shape(self) -> torch.Size:
         """Shape of this rank's shard: ``(rows held, *shape[1:])`` (a 0-dim tensor: ``(rows held,)``)."""
         return torch.Size((self.stop - self.start, *self.shape[1:]))
 
-    @property
+    @functools.cached_property
     def gather_numel(self) -> int:
         """Elements of an all-gather of every rank's padded shard (>= numel)."""
         return self.world_size * self.seg

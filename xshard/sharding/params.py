@@ -100,7 +100,11 @@ class ShardedParam:
         # in forward does not look like an in-place change of the saved tensor. Devices that free
         # by replacing ``.data`` get a fresh target per gather instead.
         self.gather_target: torch.Tensor | None = None
+        #: the full copy's storage where it is freed by resizing (the same object for the copy's life:
+        #: freeing and refilling resize it, or move its memory, in place)
+        self.storage: torch.UntypedStorage | None = None
         if frees_storage_by_resize:
+            self.storage = self.full.untyped_storage()
             # torch's stubs demand a stride beside the size; the default (contiguous) is what is meant here
             self.gather_target = torch.empty(0, dtype=gather_dtype, device=device).set_(  # type: ignore[call-overload]
                 self.full.untyped_storage(), 0, (self.storage_numel,))
@@ -129,9 +133,3 @@ class ShardedParam:
     def version(self) -> int:
         """The shard's version counter: it moves whenever the shard is written in place."""
         return self.user._version
-
-    def swap(self, use_full: bool) -> None:
-        """Register the full copy (or the user's Parameter) wherever the model registers this parameter."""
-        target = self.full if use_full else self.user
-        for module, attr in self.spec.places:
-            module._parameters[attr] = target

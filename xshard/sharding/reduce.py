@@ -37,14 +37,40 @@ if TYPE_CHECKING:  # types only: the core imports nothing of the device layer at
 MAX_IN_FLIGHT = 2
 
 
-def reduce_groups(unit: Unit) -> list[tuple[torch.dtype, list[ShardedParam]]]:
-    """``unit``'s trainable parameters grouped by the dtype their gradients are reduced in."""
+@dataclass(frozen=True)
+class ReduceGroup:
+    """Trainable parameters of one unit whose gradients are reduced in one dtype, in one collective."""
+
+    dtype: torch.dtype
+    params: list[ShardedParam]
+    #: each parameter's full-gradient elements (the reduce's input sizes)
+    numels: list[int]
+    #: elements of each reduced shard, then of the flags (the views of the output buffer)
+    sizes: list[int]
+    total: int  # sum of ``sizes``
+
+
+def reduce_groups(unit: Unit) -> list[ReduceGroup]:
+    """``unit``'s trainable parameters grouped by the dtype their gradients are reduced in.
+
+    Cached on the unit with the list of trainable parameters it was built from: ``refresh_trainable``
+    replaces that list whenever ``requires_grad`` changes, and nothing else changes a group (the
+    precision and the layouts are fixed), so the identity check is the whole invalidation.
+    """
+    cached = unit.reduce_cache
+    if cached is not None and cached[0] is unit.trainable:
+        return cached[1]
     precision = unit.rt.plan.precision
-    groups: dict[torch.dtype, list[ShardedParam]] = {}
+    by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
     for sp in unit.trainable:
         dtype = precision.reduce_dtype or precision.param_dtype or sp.gather_dtype
-        groups.setdefault(dtype, []).append(sp)
-    return list(groups.items())
+        by_dtype.setdefault(dtype, []).append(sp)
+    groups = []
+    for dtype, sps in by_dtype.items():
+        sizes = [sp.layout.seg for sp in sps] + [len(sps)]
+        groups.append(ReduceGroup(dtype, sps, [sp.layout.gather_numel for sp in sps], sizes, sum(sizes)))
+    unit.reduce_cache = (unit.trainable, groups)
+    return groups
 
 
 def start_reduce(unit: Unit) -> PendingReduce | None:
@@ -60,13 +86,14 @@ def start_reduce(unit: Unit) -> PendingReduce | None:
     world = rt.collectives.world_size
     groups = []
     with torch.no_grad():
-        for dtype, sps in reduce_groups(unit):
-            used = [sp.full.grad is not None for sp in sps]
-            inputs = [_reduce_input(sp.full.grad, sp.layout.gather_numel, dtype, rt.device) for sp in sps]
+        for group in reduce_groups(unit):
+            dtype, sps = group.dtype, group.params
+            grads = [sp.full.grad for sp in sps]
+            used = [g is not None for g in grads]
+            inputs = [_reduce_input(g, n, dtype, rt.device) for g, n in zip(grads, group.numels, strict=True)]
             # the reduced shards and the flags: views of one buffer (the replicas' all-reduce takes it whole)
-            sizes = [sp.layout.seg for sp in sps] + [len(sps)]
-            flat = torch.empty(sum(sizes), dtype=dtype, device=rt.device)
-            outputs = list(flat.split(sizes))
+            flat = torch.empty(group.total, dtype=dtype, device=rt.device)
+            outputs = list(flat.split(group.sizes))
             for sp in sps:
                 sp.full.grad = None
             # one flag per parameter, repeated for every rank's slice: each rank receives the

@@ -57,7 +57,6 @@ class _Bucket:
     params: list[nn.Parameter]
     offsets: list[int]
     numel: int  # gradient elements; the flags follow them in ``flat``
-    offset_of: dict[int, int] = field(default_factory=dict)  # id(param) -> offset in ``flat``
     ready: int = 0
     handle: Handle | None = None
     flat: torch.Tensor | None = None  # the bucket's buffer, allocated on first use and kept
@@ -66,6 +65,10 @@ class _Bucket:
     #: id(param) -> the view of ``flat`` handed out as its ``.grad`` (identity, not data pointers:
     #: XLA tensors have none)
     views: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: id(param) -> its slice of ``flat`` shaped as the parameter, cut once per ``flat`` (``_allocate``)
+    #: and handed out as ``.grad`` every step: the same memory a fresh view would have, without the
+    #: two views per parameter per step a fresh cut costs
+    slices: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def full(self) -> bool:
@@ -119,7 +122,7 @@ class ReplicatedEngine(Engine):
         for p in params:
             offsets.append(pos)
             pos += p.numel()
-        return _Bucket(index, params, offsets, pos, {id(p): off for p, off in zip(params, offsets, strict=True)})
+        return _Bucket(index, params, offsets, pos)
 
     @torch.compiler.disable
     def _pre_forward(self, module: nn.Module, args: object) -> None:
@@ -144,16 +147,25 @@ class ReplicatedEngine(Engine):
 
     # ------------------------------------------------------------------ hooks
     @staticmethod
-    def _view(bucket: _Bucket, p: nn.Parameter) -> torch.Tensor | None:
-        if bucket.flat is None or bucket.flat.dtype != p.dtype:
-            return None
-        offset = bucket.offset_of[id(p)]
-        return bucket.flat[offset:offset + p.numel()].view_as(p)
+    def _allocate(bucket: _Bucket, dtype: torch.dtype) -> torch.Tensor:
+        """Give ``bucket`` a buffer of ``dtype`` (its gradients, then one flag per parameter) and cut the
+        parameters' slices of it (kept while the buffer is: a new buffer, after a change of the reduce
+        dtype, cuts new ones)."""
+        params = bucket.params
+        flat = bucket.flat = torch.empty(bucket.numel + len(params), dtype=dtype, device=params[0].device)
+        bucket.views.clear()
+        bucket.slices = {id(p): flat[off:off + p.numel()].view_as(p)
+                         for p, off in zip(params, bucket.offsets, strict=True)}
+        return flat
 
     @torch.compiler.disable
     def _on_grad(self, p: nn.Parameter) -> None:
         bucket = self._bucket_of[id(p)]
-        self._move_into_bucket(bucket, p)
+        if torch.is_grad_enabled():  # backward with create_graph: the copy must not join the graph
+            with torch.no_grad():
+                self._move_into_bucket(bucket, p)
+        else:  # autograd runs hooks with gradients off: no context to enter, 192 times a step
+            self._move_into_bucket(bucket, p)
         if not self.sync:
             return
         if not self._callback_queued:
@@ -170,28 +182,23 @@ class ReplicatedEngine(Engine):
         grad = p.grad
         if grad is None or grad is bucket.views.get(id(p)):
             return
-        view = self._view(bucket, p)
+        view = bucket.slices.get(id(p))
         if view is not None and view.dtype == grad.dtype:
-            with torch.no_grad():
-                view.copy_(grad)
+            view.copy_(grad)
             p.grad = view
             bucket.views[id(p)] = view
 
     def _launch(self, bucket: _Bucket) -> None:
         dtype = self.reduce_dtype or bucket.params[0].dtype
-        n = len(bucket.params)
-        if bucket.flat is None or bucket.flat.dtype != dtype:
-            bucket.flat = torch.empty(bucket.numel + n, dtype=dtype, device=bucket.params[0].device)
-            bucket.views.clear()
-        flat = bucket.flat
+        flat = bucket.flat if bucket.flat is not None and bucket.flat.dtype == dtype else self._allocate(bucket, dtype)
         used = [p.grad is not None for p in bucket.params]
         with torch.no_grad():
-            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-                part = flat[offset:offset + p.numel()]
+            for p in bucket.params:
+                part = bucket.slices[id(p)]
                 if p.grad is None:
                     part.zero_()
                 elif p.grad is not bucket.views.get(id(p)):  # else the gradient already is its view of the bucket
-                    part.copy_(p.grad.reshape(-1))
+                    part.copy_(p.grad)
             flat[bucket.numel:].copy_(used_flags(used, 1, dtype, flat.device))
         bucket.all_used_here = all(used)
         op = "avg"
@@ -217,13 +224,13 @@ class ReplicatedEngine(Engine):
                 flat = bucket.flat
                 n = len(bucket.params)
                 used = [True] * n if bucket.all_used_here else (flat[bucket.numel:] > 0).tolist()
-                for p, offset, was_used in zip(bucket.params, bucket.offsets, used, strict=True):
+                for p, was_used in zip(bucket.params, used, strict=True):
                     if not was_used:  # no rank produced a gradient: as plain PyTorch, no .grad
                         if p.grad is bucket.views.get(id(p)):
                             p.grad = None
                         bucket.views.pop(id(p), None)
                         continue
-                    avg = flat[offset:offset + p.numel()].view_as(p)
+                    avg = bucket.slices[id(p)]
                     # the average replaces the local gradient (a view of the bucket when dtypes agree)
                     p.grad = avg if avg.dtype == p.dtype else avg.to(p.dtype)
                     if p.grad is avg:

@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ from .options import ShardingOptions
 from .plan import ReduceTiming, ShardingPlan
 from .reduce import ReducePipeline
 from .trees import cast_floating, replace_grad_tensors, tensors_in
-from .unit import BackwardState, Unit, UnitState
+from .unit import BackwardState, Unit
 
 
 class _PostBackward(torch.autograd.Function):
@@ -84,6 +85,8 @@ class ShardedEngine(Engine):
         if self.root.rt.compiles_graphs:  # the compiler orders the fenced gathers (see Runtime.compiles_graphs)
             self.forward_prefetch, self.backward_prefetch = False, None
         self.max_inflight = int(options.max_inflight_all_gathers)
+        self._frees = plan.reshard_after_forward.frees
+        self._counts = self.root.rt.counts  # the units' states, counted as they change
         #: the order every rank issues the non-root units' collectives in (ranks on different paths)
         rt = self.root.rt
         self.canonical = CanonicalOrder(units[1:], peers=rt.collectives.world_size > 1 or rt.replicas is not None)
@@ -97,6 +100,9 @@ class ShardedEngine(Engine):
         #: after the root's inputs' gradients, so the root is reduced at the end of backward
         self._root_reduced_last = False
         self._hooks: list[Any] = []
+        # per unit, made once: the callbacks its hooks hand to autograd at every forward
+        self._post_backward_of = {unit: functools.partial(self._post_backward, unit) for unit in units}
+        self._pre_backward_of = {unit: functools.partial(self._pre_backward, unit) for unit in units}
         for unit in units:
             self._hooks.append(unit.module.register_forward_pre_hook(
                 functools.partial(self._pre_forward, unit), with_kwargs=True))
@@ -127,11 +133,10 @@ class ShardedEngine(Engine):
 
     # ------------------------------------------------------------------ prefetch
     def _inflight(self) -> int:
-        if self.plan.reshard_after_forward.frees:
-            return sum(1 for u in self.units if not u.is_root and u.state is not UnitState.SHARDED)
-        return sum(1 for u in self.units if u.state is UnitState.GATHERING)
+        counts = self._counts
+        return counts.held if self._frees else counts.gathering
 
-    def _prefetch(self, candidates: list[Unit]) -> None:
+    def _prefetch(self, candidates: Iterable[Unit]) -> None:
         for unit in candidates:
             if self._inflight() >= self.max_inflight:
                 return
@@ -142,13 +147,12 @@ class ShardedEngine(Engine):
     def _note_in_flight(self) -> None:
         self.peak_in_flight = max(self.peak_in_flight, self._inflight())
 
-    def _after(self, unit: Unit, order: list[Unit]) -> list[Unit]:
+    def _after(self, unit: Unit, order: list[Unit], position: dict[Unit, int]) -> Iterator[Unit]:
+        """The units after ``unit`` in ``order`` (all of them after the root), ``position`` its index."""
         if unit.is_root:
-            return list(order)
-        try:
-            return order[order.index(unit) + 1:]
-        except ValueError:
-            return []
+            return iter(order)
+        at = position.get(unit)
+        return iter(()) if at is None else itertools.islice(order, at + 1, None)
 
     # ------------------------------------------------------------------ forward
     @torch.compiler.disable
@@ -179,7 +183,7 @@ class ShardedEngine(Engine):
         args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
         if torch.is_grad_enabled():
             unit.pending_backward_calls += 1
-            callback = functools.partial(self._post_backward, unit)
+            callback = self._post_backward_of[unit]
             args, kwargs = replace_grad_tensors((args, kwargs), lambda ts: _PostBackward.apply(callback, *ts))
         return args, kwargs
 
@@ -188,7 +192,7 @@ class ShardedEngine(Engine):
         unit.wait_gather(after=after)
         self._note_in_flight()
         if self.forward_prefetch:
-            self._prefetch(self._after(unit, self.canonical.units))
+            self._prefetch(self._after(unit, self.canonical.units, self.canonical.position))
 
     def _pass_forward(self, unit: Unit) -> None:
         """What ``unit``'s forward hooks do, for a unit this rank skips: its gather is every rank's collective."""
@@ -206,15 +210,16 @@ class ShardedEngine(Engine):
             if self._recording:
                 self.canonical.learn(self._recording)
         unit.swap_out()
-        grad_outputs = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        outputs = tensors_in(output)
+        grad_outputs = [t for t in outputs if t.requires_grad] if torch.is_grad_enabled() else []
         backward_follows = bool(grad_outputs)
-        if self.plan.reshard_after_forward.frees and not (unit.is_root and backward_follows):
+        if self._frees and not (unit.is_root and backward_follows):
             # the root stays gathered only if a backward can follow; with reshard_after_forward=k a
             # unit keeps its post-forward piece for that backward
-            unit.reshard(keep_post_forward=backward_follows, before=tensors_in(output))
+            unit.reshard(keep_post_forward=backward_follows, before=outputs)
         if unit.is_root and not backward_follows:
             self._settle_gathers()  # no backward: gathers prefetched for units that never ran end here
-        hook = functools.partial(self._pre_backward, unit)
+        hook = self._pre_backward_of[unit]
         for t in grad_outputs:
             t.register_hook(hook)
         return output
@@ -243,7 +248,7 @@ class ShardedEngine(Engine):
         grad_outputs = [t for t in tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
         if grad_outputs:  # the root's gradients come back through these: it stays gathered for them
             self._root_reduced_last = True
-            hook = functools.partial(self._pre_backward, self.root)
+            hook = self._pre_backward_of[self.root]
             for t in grad_outputs:
                 t.register_hook(hook)
         else:
@@ -280,7 +285,7 @@ class ShardedEngine(Engine):
         unit.wait_gather()
         self._note_in_flight()
         if self.backward_prefetch == "pre":
-            self._prefetch(self._after(unit, self.canonical.reverse))
+            self._prefetch(self._after(unit, self.canonical.reverse, self.canonical.reverse_position))
 
     def _pass_backward(self, unit: Unit) -> None:
         """What ``unit``'s backward hooks do on the ranks that ran it, for a unit this rank skipped in
@@ -305,7 +310,7 @@ class ShardedEngine(Engine):
         if self.plan.reshard_after_forward.frees:
             unit.reshard()
         if prefetch and self.backward_prefetch == "post":
-            self._prefetch(self._after(unit, self.canonical.reverse))
+            self._prefetch(self._after(unit, self.canonical.reverse, self.canonical.reverse_position))
 
     def _reduce(self, unit: Unit) -> None:
         self._reduces.reduce(unit)

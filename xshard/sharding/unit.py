@@ -36,6 +36,8 @@ from .wrap import UnitSpec, param_owner_is_norm
 if TYPE_CHECKING:  # types only: the core imports nothing of the device layer at run time
     from xshard.backends import Collectives, Handle
 
+    from .reduce import ReduceGroup
+
 
 class UnitState(enum.Enum):
     """Where a unit's full copies are."""
@@ -51,6 +53,20 @@ class BackwardState(enum.Enum):
     IDLE = "idle"  # not reached yet (or no backward in progress)
     RUNNING = "running"  # its outputs' gradients arrived; its own gradients are being computed
     DONE = "done"  # its gradients are complete (reduced, or held for the end of backward)
+
+
+class UnitCounts:
+    """How many units of one model are in each state, kept as the states change (``Unit.state``).
+
+    The engine asks these at every prefetch decision; counting them by walking the units cost
+    O(units) per question, O(units^2) per step.
+    """
+
+    __slots__ = ("gathering", "held")
+
+    def __init__(self) -> None:
+        self.gathering = 0  # units with an all-gather in flight
+        self.held = 0  # non-root units whose full copies are gathering or gathered
 
 
 @dataclass
@@ -78,6 +94,8 @@ class Runtime:
     compiles_graphs: bool = False
     #: freed full-parameter memory kept for the next gather (the CPU: see storage_pool), or None
     pool: StoragePool | None = None
+    #: the units' states, counted (see UnitCounts)
+    counts: UnitCounts = field(default_factory=UnitCounts)
 
 
 class Unit:
@@ -102,6 +120,8 @@ class Unit:
             self.params.append(ShardedParam(ps, rt.world_size, rt.rank, rt.device, rt.shard_device, dtype,
                                             resident, rt.frees_storage_by_resize, rt.rebound,
                                             reshard.post_forward_group_size))
+        self._state = UnitState.SHARDED
+        self._users = [sp.user for sp in self.params]  # the shard-holding Parameters (fixed for the unit's life)
         self.state = UnitState.GATHERED if resident else UnitState.SHARDED
         self.stamp: tuple[int, ...] | None = self.versions() if resident else None
         # True when the full copies may not match the shards: resident copies start from this rank's
@@ -109,6 +129,10 @@ class Unit:
         # also set by the optimizer's step hook and by writes behind the version counters
         self.stale = resident
         self._pending: tuple[Handle, list[torch.Tensor]] | None = None  # (handle, targets) while GATHERING
+        #: the all-gathers' (outputs, inputs) by "from post-forward pieces" (see _gather_views)
+        self._views: dict[bool, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        #: (module, attribute, full copy, user's Parameter) for every place a parameter is registered
+        self._places = [(module, attr, sp.full, sp.user) for sp in self.params for module, attr in sp.spec.places]
         #: the shards' versions when the post-forward pieces were cut (None: no pieces held)
         self._post_stamp: tuple[int, ...] | None = None
         self.backward = BackwardState.IDLE
@@ -116,6 +140,8 @@ class Unit:
         #: the full copies are registered in the modules (between ``swap_in`` and ``swap_out``)
         self.swapped = False
         self.trainable: list[ShardedParam] = []
+        #: reduce.reduce_groups' groups, with the ``trainable`` list they were built from
+        self.reduce_cache: tuple[list[ShardedParam], list[ReduceGroup]] | None = None
         self.refresh_trainable()
         if not resident:
             for sp in self.params:
@@ -132,12 +158,26 @@ class Unit:
         return False
 
     # ------------------------------------------------------------------ state
+    @property
+    def state(self) -> UnitState:
+        """Where this unit's full copies are (setting it keeps ``rt.counts`` up to date)."""
+        return self._state
+
+    @state.setter
+    def state(self, new: UnitState) -> None:
+        old, self._state = self._state, new
+        counts = self.rt.counts
+        counts.gathering += (new is UnitState.GATHERING) - (old is UnitState.GATHERING)
+        if not self.is_root:
+            counts.held += (new is not UnitState.SHARDED) - (old is not UnitState.SHARDED)
+
     def versions(self) -> tuple[int, ...]:
-        return tuple(sp.version() for sp in self.params)
+        """The shards' version counters (see ``ShardedParam.version``), read now."""
+        return tuple([user._version for user in self._users])
 
     def is_current(self) -> bool:
         """Do the gathered full copies hold the shards' current values?"""
-        return self.state is UnitState.GATHERED and not self.stale and self.stamp == self.versions()
+        return self._state is UnitState.GATHERED and not self.stale and self.stamp == self.versions()
 
     # ------------------------------------------------------------------ gather
     def start_gather(self, after: list[torch.Tensor] | tuple = ()) -> bool:
@@ -151,30 +191,28 @@ class Unit:
         send buffer and no receive buffer to copy out of (the collectives may still pack where one large
         operation is cheaper, e.g. NCCL).
         """
-        if not self.params or self.state is UnitState.GATHERING or self.is_current():
+        if not self.params or self._state is UnitState.GATHERING or self.is_current():
             return False
         rt = self.rt
         from_pieces = self._post_forward_current()
         collectives = rt.post_forward if from_pieces else rt.collectives
         assert collectives is not None  # pieces are kept only where there is a post-forward group
-        sources = [sp.post_forward if from_pieces else sp.padded for sp in self.params]
-        rt.fence(cast("list[torch.Tensor]", sources) + list(after))
-        targets, inputs = [], []
+        # current pieces exist for every parameter (``_post_forward_current``)
+        sources = cast("list[torch.Tensor]", [sp.post_forward if from_pieces else sp.padded for sp in self.params])
+        rt.fence(sources + list(after))
         with torch.no_grad():
-            for sp, source in zip(self.params, sources, strict=True):
-                lay = sp.post_layout if from_pieces else sp.layout
-                assert lay is not None and source is not None  # a current piece has both
-                seg = lay.seg
-                if sp.gather_target is not None:
+            if rt.frees_storage_by_resize:  # gathered in place, into the full copies' storages
+                for sp in self.params:
                     self._alloc(sp)
-                    target = sp.gather_target[: lay.gather_numel]
-                    own = target[lay.rank * seg:(lay.rank + 1) * seg]
-                    own.copy_(source, non_blocking=True)
-                else:  # the full copy takes the target's data once the gather is done
-                    target = torch.empty(lay.gather_numel, dtype=sp.gather_dtype, device=rt.device)
-                    own = source.to(device=rt.device, dtype=sp.gather_dtype)
-                targets.append(target)
-                inputs.append(own)
+                targets, inputs = self._gather_views(from_pieces)
+                torch._foreach_copy_(inputs, sources, non_blocking=True)
+            else:  # each full copy takes a fresh target's data once the gather is done
+                targets, inputs = [], []
+                for sp, source in zip(self.params, sources, strict=True):
+                    lay = sp.post_layout if from_pieces else sp.layout
+                    assert lay is not None  # a current piece has its layout
+                    targets.append(torch.empty(lay.gather_numel, dtype=sp.gather_dtype, device=rt.device))
+                    inputs.append(source.to(device=rt.device, dtype=sp.gather_dtype))
         what = "post-forward pieces of unit" if from_pieces else "unit"
         handle = collectives.all_gather_into_tensors(targets, inputs, async_op=True, tag=f"all-gather of {what} {self.name}")
         self._drop_post_forward()
@@ -184,9 +222,30 @@ class Unit:
         self.state = UnitState.GATHERING
         return True
 
+    def _gather_views(self, from_pieces: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The all-gather's outputs (each full copy's storage seen flat) and inputs (this rank's slice of
+        each), for a gather over the shard group or, ``from_pieces``, the post-forward group, where full
+        copies are freed by resizing (called with the storages allocated: a view is cut within bounds).
+
+        Built once per unit and group: they are views of storages that live as long as the unit (freed
+        by resizing them to 0, or by moving their memory to the pool, and refilled in place), so the
+        same view objects are valid at every gather and nothing invalidates them.
+        """
+        cached = self._views.get(from_pieces)
+        if cached is None:
+            targets, inputs = [], []
+            for sp in self.params:
+                lay = sp.post_layout if from_pieces else sp.layout
+                assert lay is not None and sp.gather_target is not None  # pieces only with a post-forward group
+                target = sp.gather_target[: lay.gather_numel]
+                targets.append(target)
+                inputs.append(target[lay.rank * lay.seg:(lay.rank + 1) * lay.seg])
+            cached = self._views[from_pieces] = (targets, inputs)
+        return cached
+
     def finish_gather(self) -> None:
         """Complete an in-flight gather (nothing else): the copies are as of when it was issued."""
-        if self.state is not UnitState.GATHERING or self._pending is None:
+        if self._state is not UnitState.GATHERING or self._pending is None:
             return
         handle, targets = self._pending
         self._pending = None
@@ -212,7 +271,7 @@ class Unit:
         keep this rank's piece of the current full copies for backward's gather within the
         post-forward group. Otherwise any pieces held are dropped too.
         """
-        if self.state is UnitState.SHARDED:
+        if self._state is UnitState.SHARDED:
             if not keep_post_forward:
                 self._drop_post_forward()
             return
@@ -252,15 +311,16 @@ class Unit:
         return self._post_stamp is not None and not self.stale and self._post_stamp == self.versions()
 
     def _free(self, sp: ShardedParam) -> None:
-        if self.rt.pool is not None:
-            self.rt.pool.free(sp.full.untyped_storage())
-        elif self.rt.frees_storage_by_resize:
-            sp.full.untyped_storage().resize_(0)
+        if sp.storage is not None and self.rt.pool is not None:
+            self.rt.pool.free(sp.storage)
+        elif sp.storage is not None:
+            sp.storage.resize_(0)
         else:  # devices without resizable storage (XLA): drop the data, keep the Parameter object
             sp.full.data = torch.empty(0, dtype=sp.gather_dtype, device=self.rt.device)
 
     def _alloc(self, sp: ShardedParam) -> None:
-        storage = sp.full.untyped_storage()
+        storage = sp.storage
+        assert storage is not None  # only where full copies are freed by resizing
         if storage.size() == 0:
             if self.rt.pool is not None:
                 self.rt.pool.alloc(storage, sp.full_bytes)
@@ -275,13 +335,15 @@ class Unit:
 
     # ------------------------------------------------------------------ swap
     def swap_in(self) -> None:
-        for sp in self.params:
-            sp.swap(True)
+        """Register the full copies wherever the model registers the unit's parameters."""
+        for module, attr, full, _ in self._places:
+            module._parameters[attr] = full
         self.swapped = True
 
     def swap_out(self) -> None:
-        for sp in self.params:
-            sp.swap(False)
+        """Register the user's Parameters again."""
+        for module, attr, _, user in self._places:
+            module._parameters[attr] = user
         self.swapped = False
 
     def write_back(self) -> None:
