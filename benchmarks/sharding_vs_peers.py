@@ -18,6 +18,8 @@ Measured per configuration (the method is printed with the results):
 - bytes sent per step per rank: counted by wrapping torch.distributed's functions in each process
   (see comm_count), xshard's own counter alongside; DDP's reducer works from C++, so its bytes come
   from theory (2 x parameter bytes) and are marked so;
+- host time per unit per step (xshard): thread CPU time inside xshard's hooks, measured in extra
+  untimed steps (``HookTimer``), divided by the units; and, derived, (step - DDP's step) / units;
 - page faults per step per rank (minor: memory the process touches for the first time since the
   allocator got it from the kernel). torch's CPU allocator is glibc's malloc, which hands blocks of
   32 MiB and more straight back to the kernel when they are freed, so a tensor of that size allocated
@@ -60,9 +62,66 @@ METHOD = (
     "rss_mib: peak RSS during the timed steps, max over ranks. sent_mb: bytes per step per rank asked of "
     "torch.distributed (all-gather = output, reduce-scatter = input, all-reduce = 2x tensor, broadcast = 1x), "
     "counted by wrapping its functions; DDP from theory (2 psi). psi = fp32 parameter bytes. "
+    "hook_cpu_ms: thread CPU time per step inside xshard's hooks (module and autograd hooks, with the "
+    "collectives they issue; not the time blocked waiting), measured in extra untimed steps, max over ranks; "
+    "hook_cpu_us_per_unit: that divided by the sharded units (the direct per-unit host cost); "
+    "over_ddp_us_per_unit: (step_s - DDP's step_s) / units, the derived figure, which also holds waits. "
     "load_avg_1m: the machine's 1-minute load average when the configuration ended (the benchmark itself "
     "accounts for about the number of ranks; more means other work shared the cores)."
 )
+
+
+# ---------------------------------------------------------------------------------------- host cost
+#: (module, class, method): xshard's hooks, the whole of what its core runs on the host in a step
+#: (each wraps the collectives it issues and waits for)
+HOOKS = [("xshard.sharding.shard_engine", "ShardedEngine", m)
+         for m in ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "_finish_backward",
+                   "_off_forward_pre", "_off_forward_post")]
+HOOKS += [("xshard.sharding.replicate", "ReplicatedEngine", m) for m in ("_pre_forward", "_on_grad", "_finish_backward")]
+
+
+class HookTimer:
+    """Host time inside xshard's hooks: thread CPU time and wall time of the outermost hook call.
+
+    ``install()`` (before the model is sharded: the engines bind their hook methods then) wraps the
+    methods of HOOKS; they count only while ``active`` (the extra measured steps after the timed ones,
+    so the timed steps carry just a flag test per hook call). CPU time leaves out the time the host sat
+    blocked in a collective's wait; wall time includes it.
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+        self.depth = 0
+        self.cpu_s = self.wall_s = 0.0
+        self.calls = 0
+        self.units = 0  # of the sharded engine whose hooks ran (0 at stage 0)
+
+    def install(self) -> None:
+        import importlib
+
+        for module_name, class_name, method in HOOKS:
+            cls = getattr(importlib.import_module(module_name), class_name)
+            setattr(cls, method, self._wrap(getattr(cls, method)))
+
+    def _wrap(self, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def timed(engine, *args, **kwargs):
+            if not self.active or self.depth:
+                return fn(engine, *args, **kwargs)
+            self.depth += 1
+            self.units = max(self.units, len(getattr(engine, "units", ())))
+            cpu, wall = time.thread_time(), time.perf_counter()
+            try:
+                return fn(engine, *args, **kwargs)
+            finally:
+                self.cpu_s += time.thread_time() - cpu
+                self.wall_s += time.perf_counter() - wall
+                self.calls += 1
+                self.depth -= 1
+
+        return timed
 
 
 # ---------------------------------------------------------------------------------------- worker
@@ -88,6 +147,9 @@ def worker(args: argparse.Namespace) -> None:
 
         options = {**CPUBackend().collective_options(), "reduce_scatter_form": args.gloo_reduce_scatter}
         CPUBackend.collective_options = lambda self: options
+    hooks = HookTimer()
+    if args.worker.startswith("xshard"):
+        hooks.install()
     trainer = build(args.worker, model, batch, args.world_size, parse_options(args.xshard_opt), args.nodes)
 
     def barrier() -> None:
@@ -121,6 +183,7 @@ def worker(args: argparse.Namespace) -> None:
     live_mid = memory_probe.live_tensor_bytes()
     trainer.optimizer_step()
     live_end = memory_probe.live_tensor_bytes()
+    host = host_steps(trainer, barrier, hooks, args.steps) if args.worker.startswith("xshard") else None
     phases = phase_step(trainer, barrier) if args.profile and args.worker.startswith("xshard") else None
     profile = profile_step(trainer, barrier, record=rank == 0) if args.profile else None
     write_result({
@@ -128,7 +191,7 @@ def worker(args: argparse.Namespace) -> None:
         "minor_faults": faults, "phases": phases, "counted": counted, "own_comm": own_comm,
         "own_state": trainer.own_state(), "comm_seen_from_python": trainer.comm_seen_from_python,
         "state_bytes": max(live_mid, live_end) - live_before,
-        "rss_before": rss_before, "rss_peak": rss_peak, "profile": profile,
+        "rss_before": rss_before, "rss_peak": rss_peak, "profile": profile, "host": host,
     })
     barrier()
     if world > 1 and dist.is_initialized():
@@ -147,6 +210,19 @@ def parse_options(pairs: list[str]) -> dict:
         except json.JSONDecodeError:
             options[key] = value
     return options
+
+
+def host_steps(trainer, barrier, hooks: HookTimer, steps: int) -> dict:
+    """``steps`` more steps (untimed) with the host time inside xshard's hooks measured, per step."""
+    hooks.active = True
+    for _ in range(steps):
+        barrier()
+        trainer.zero_grad()
+        trainer.forward_backward()
+        trainer.optimizer_step()
+    hooks.active = False
+    return {"hook_cpu_s": hooks.cpu_s / steps, "hook_wall_s": hooks.wall_s / steps,
+            "hook_calls": hooks.calls / steps, "units": hooks.units}
 
 
 def phase_step(trainer, barrier) -> dict:
@@ -225,6 +301,13 @@ def summarise(name: str, d: int, per_rank: list[dict]) -> dict:
         "rss_mib": round(max(r["rss_peak"] or 0 for r in per_rank) / MIB, 1),
         "rss_growth_mib": round(max((r["rss_peak"] or 0) - (r["rss_before"] or 0) for r in per_rank) / MIB, 1),
     }
+    if first.get("host"):
+        hosts = [r["host"] for r in per_rank]
+        row["hook_cpu_ms"] = round(1000 * max(h["hook_cpu_s"] for h in hosts), 2)
+        row["hook_wall_ms"] = round(1000 * max(h["hook_wall_s"] for h in hosts), 2)
+        row["units"] = first["host"]["units"]
+        if row["units"]:
+            row["hook_cpu_us_per_unit"] = round(1e6 * max(h["hook_cpu_s"] for h in hosts) / row["units"], 1)
     if not is_distributed(name):
         return row
     if first["comm_seen_from_python"]:
@@ -253,6 +336,8 @@ def add_ratios(rows: dict[str, dict]) -> None:
         for base in ("limit", "ddp"):
             if base != name and "step_s" in rows.get(base, {}):
                 row[f"x_{base}"] = round(row["step_s"] / rows[base]["step_s"], 2)
+        if row.get("units") and "step_s" in rows.get("ddp", {}):  # the step's excess over DDP's, per unit
+            row["over_ddp_us_per_unit"] = round(1e6 * (row["step_s"] - rows["ddp"]["step_s"]) / row["units"], 1)
         peers = [rows[p] for p in PEERS.get(name, []) if "step_s" in rows.get(p, {})]
         if peers:
             best = min(peers, key=lambda r: r["step_s"])
@@ -264,7 +349,8 @@ def add_ratios(rows: dict[str, dict]) -> None:
 def print_table(d: int, rows: dict[str, dict]) -> None:
     """A markdown table for one model size."""
     head = ["config", "s/step", "CPU s/step", "page faults/step (k)", "x limit", "x DDP", "x best peer", "state MiB/rank", "peak RSS MiB/rank",
-            "MB sent/step/rank", "sent / psi", "load (1 min)"]
+            "MB sent/step/rank", "sent / psi", "hooks CPU ms/step", "host us/unit/step: hooks CPU; (step - DDP)",
+            "load (1 min)"]
     numel = next((r["params"] for r in rows.values() if "params" in r), 0)
     print(f"\nd={d}, {numel / 1e6:.1f}M parameters")
     print("| " + " | ".join(head) + " |")
@@ -280,10 +366,15 @@ def print_table(d: int, rows: dict[str, dict]) -> None:
             if "own_sent_mb" in r:
                 sent += f"; own counter {r['own_sent_mb']:.0f}"
         psi = f"{r['sent_psi']:.2f}" if "sent_psi" in r else ""
+        per_unit = ""
+        if "hook_cpu_us_per_unit" in r:
+            per_unit = f"{r['hook_cpu_us_per_unit']:.0f}" + (
+                f"; ({r['over_ddp_us_per_unit']:.0f})" if "over_ddp_us_per_unit" in r else "")
         cells = [name, f"{r['step_s']:.3f}", f"{r['cpu_s']:.3f}", f"{r['faults_per_step'] / 1000:.0f}",
                  f"{r['x_limit']:.2f}" if "x_limit" in r else ("1.00" if name == "limit" else ""),
                  f"{r['x_ddp']:.2f}" if "x_ddp" in r else "", peer, f"{r['state_mib']:.0f}",
-                 f"{r['rss_mib']:.0f}", sent, psi, str(r.get("load_avg_1m", ""))]
+                 f"{r['rss_mib']:.0f}", sent, psi, f"{r['hook_cpu_ms']:.1f}" if "hook_cpu_ms" in r else "",
+                 per_unit, str(r.get("load_avg_1m", ""))]
         print("| " + " | ".join(cells) + " |")
 
 
