@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .reduce_group import ReduceGroup
+
 if TYPE_CHECKING:  # types only: the core imports nothing of the device layer at run time
     from xshard.backends import Handle
 
@@ -35,19 +37,6 @@ if TYPE_CHECKING:  # types only: the core imports nothing of the device layer at
 
 #: reduces in flight at once (each holds its unit's packed gradients until it completes)
 MAX_IN_FLIGHT = 2
-
-
-@dataclass(frozen=True)
-class ReduceGroup:
-    """Trainable parameters of one unit whose gradients are reduced in one dtype, in one collective."""
-
-    dtype: torch.dtype
-    params: list[ShardedParam]
-    #: each parameter's full-gradient elements (the reduce's input sizes)
-    numels: list[int]
-    #: elements of each reduced shard, then of the flags (the views of the output buffer)
-    sizes: list[int]
-    total: int  # sum of ``sizes``
 
 
 def reduce_groups(unit: Unit) -> list[ReduceGroup]:

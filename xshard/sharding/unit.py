@@ -36,7 +36,7 @@ from .wrap import UnitSpec, param_owner_is_norm
 if TYPE_CHECKING:  # types only: the core imports nothing of the device layer at run time
     from xshard.backends import Collectives, Handle
 
-    from .reduce import ReduceGroup
+    from .reduce_group import ReduceGroup
 
 
 class UnitState(enum.Enum):
