@@ -11,6 +11,7 @@ another size, is an error naming both sizes.
 from __future__ import annotations
 
 import logging
+import types
 
 import datasets
 import pytest
@@ -92,8 +93,10 @@ def test_a_stream_split_by_node_resumed_on_another_size_is_an_error_naming_both(
     stream = datasets.Dataset.from_dict({"x": list(range(16))}).to_iterable_dataset(num_shards=4)
 
     def prepared(world: int, rank: int):
-        return shard_data_loader(DataLoader(stream, batch_size=2), CPU, world, rank,
-                                 exchange_counts=lambda mine: [mine] * world)
+        # every rank's counts alike (each rank's own stands in for the others': one process plays the world)
+        agreement = types.SimpleNamespace(every_process_count=lambda mine: [mine] * world,
+                                          main_process_value=lambda tensor: tensor)
+        return shard_data_loader(DataLoader(stream, batch_size=2), CPU, world, rank, agreement=agreement)
 
     saved = prepared(2, 0)
     next(iter(saved))

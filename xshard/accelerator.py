@@ -33,23 +33,20 @@ Design notes:
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import datetime
-import os
 import random
 import sys
 import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.utils.data import DataLoader
 
-from .accelerate_compat import metrics, project, tracking
+from .accelerate_compat import tracking
 from .accelerate_compat.accelerator_state import (
     AcceleratorState,
     GradientState,
@@ -57,29 +54,36 @@ from .accelerate_compat.accelerator_state import (
     unshare_with_accelerate,
 )
 from .accelerate_compat.accelerator_surface import AccelerateSurface
+from .accelerate_compat.checkpoint_methods import CheckpointMethods
+from .accelerate_compat.gathering import GatherMethods
 from .backends import Backend, select
-from .checkpoint import auto_resume
 from .config.accelerate_args import AccelerateSettings, read_accelerate_args
 from .config.accelerate_config import load_config, read_config_source, resolved_ds_config
 from .runtime import grads
 from .runtime.compile import compile_prepared
 from .runtime.data import ShardedDataLoader, fork_may_deadlock, shard_data_loader
+from .runtime.device_peak import DevicePeak
 from .runtime.dry_run_report import DryRunReport
 from .runtime.job import JobState
 from .runtime.launch_marker import mark_accelerator_built
 from .runtime.mixed_precision import Precision
 from .runtime.prepared import PreparedOptimizer, PreparedScheduler
-from .runtime.rank_logging import get_logger, progress, setup_logging, use_barrier
+from .runtime.rank_logging import get_logger, log_for_job, setup_logging
 from .runtime.rebind import StaleParameterGuard, rebind_optimizer
-from .runtime.throughput import PEAK_ENV, ModelFlops, PeakFlops, counting_hook, peak_flops
+from .runtime.throughput import ModelFlops, counting_hook
 
 if TYPE_CHECKING:
     from .config import XShardConfig
 
 log = get_logger("xshard.accelerator")
 
-class Accelerator(AccelerateSurface):
+class Accelerator(AccelerateSurface, CheckpointMethods, GatherMethods):
     """One training job on one backend: process group, device, sharding, precision, accumulation.
+
+    The checkpoint members (``save_state``, ``load_state`` ...) are ``accelerate_compat.checkpoint_methods``'s, the
+    collectives (``gather``, ``reduce``, ``gather_for_metrics``) ``accelerate_compat.gathering``'s and Accelerate's
+    other members ``accelerate_compat.accelerator_surface``'s: mixins built on the members this core declares
+    (``accelerate_compat.accelerator_core``).
 
     Args:
         config: an xshard config file (or a DeepSpeed ``ds_config.json`` / accelerate FSDP yaml),
@@ -147,7 +151,9 @@ class Accelerator(AccelerateSurface):
                  world.world_size)
         dry_run = self.backend.dry_run()
         if dry_run is not None:  # xshard launch --dry-run: report after its steps (runtime/dry_run_report.py)
-            self.job.step_observers.append(DryRunReport(self.job, dry_run, self._planned_checkpoint_files))
+            from .checkpoint.save_load import planned_files
+
+            self.job.step_observers.append(DryRunReport(self.job, dry_run, planned_files))
 
         chosen_seed = seed if seed is not None else self.config.seed
         #: None when nothing seeds the processes; then prepare() broadcasts rank 0's weights
@@ -161,18 +167,17 @@ class Accelerator(AccelerateSurface):
         _LIVE[self._token] = self
         self._stale_guard: StaleParameterGuard = StaleParameterGuard()
         #: the device's peak FLOPS for the throughput report (found at the first report: a CPU measures it)
-        self._peak_flops: PeakFlops | None = None
-        # Accelerate's arguments read by later calls (``xshard.config.accelerate_args``)
-        self._data_seed: int | None = compat.data_seed
-        self._seedable_sampler: bool = compat.use_seedable_sampler
-        self._dynamo_plugin: Any = compat.dynamo  # read by prepare_model and state.dynamo_plugin
-        self._non_blocking: bool | None = compat.non_blocking
-        self._autocast_enabled: bool = compat.autocast_enabled
+        self._peak: DevicePeak = DevicePeak(self.backend)
+        #: Accelerate's arguments as read (``xshard.config.accelerate_args``), for the calls that read them later:
+        #: the data seed, ``use_seedable_sampler`` and ``non_blocking`` (``prepare_data_loader``), ``dynamo``
+        #: (``prepare_model``, ``state.dynamo_plugin``), ``autocast_enabled`` (``autocast``)
+        self.accelerate_args: AccelerateSettings = compat
         self.profile_handler: Any = compat.profile_handler  # accelerator.profile()'s default ProfileKwargs
         #: Accelerate's ProjectConfiguration (project_dir, logging_dir, automatic checkpoint naming):
         #: xshard's or Accelerate's own class, read by its fields
         self.project_configuration: Any = compat.project
-        self._tracker_choice: list[Any] = tracking.resolve(compat.log_with, self.logging_dir)
+        #: the trackers ``log_with`` chose (``init_trackers`` starts them on the main process)
+        self.tracker_choice: list[Any] = tracking.resolve(compat.log_with, self.logging_dir)
         #: the running trackers (main process; after ``init_trackers``)
         self.trackers: list[Any] = []
         #: Accelerate's ``AcceleratorState`` and ``GradientState``, read from this job
@@ -392,7 +397,7 @@ class Accelerator(AccelerateSurface):
             if opt.model is None and _owns(sharded, opt.optimizer):
                 opt.model = sharded
                 sharded.register_optimizer(opt.optimizer)
-        return compile_prepared(sharded, self._dynamo_plugin)  # Accelerate's dynamo_plugin (runtime/compile.py)
+        return compile_prepared(sharded, self.accelerate_args.dynamo)  # Accelerate's dynamo_plugin (runtime/compile.py)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> PreparedOptimizer:
         """Wrap ``optimizer``: steps through the backend and the grad scaler, only on sync steps.
@@ -425,8 +430,8 @@ class Accelerator(AccelerateSurface):
         prepared = shard_data_loader(
             loader, self.device, num_replicas=self.world_size, rank=self.rank, seed=self._shuffle_seed(),
             wrap=self.backend.wrap_dataloader, shard=shard, split_batches=self.job.split_batches,
-            non_blocking=self._non_blocking, pad_to_multiple_of=self.pad_to_multiple_of,
-            agree=self._main_process_value, exchange_counts=self._every_process_count,
+            non_blocking=self.accelerate_args.non_blocking, pad_to_multiple_of=self.pad_to_multiple_of,
+            agreement=self.job.loader_agreement, pass_order=self.job.loader_passes,
         )
         self.job.loaders.append(prepared)
         self._fill_auto_batch(prepared)
@@ -444,27 +449,10 @@ class Accelerator(AccelerateSurface):
         ``use_seedable_sampler``, ``data_seed`` or else ``torch.random.initial_seed()`` now (the script's
         ``set_seed``, before or after building the Accelerator); None for Accelerate's default order, drawn
         from torch's global RNG."""
-        if not self._seedable_sampler:
+        settings = self.accelerate_args
+        if not settings.use_seedable_sampler:
             return None
-        return self._data_seed if self._data_seed is not None else torch.random.initial_seed()
-
-    def _main_process_value(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Rank 0's ``tensor`` on every rank (same shape and dtype everywhere), where ``tensor`` is."""
-        if self.world_size == 1:
-            return tensor
-        on_device = tensor.to(self.device)
-        self.backend.collectives.broadcast(on_device, src=0)
-        return on_device.to(tensor.device)
-
-    def _every_process_count(self, counts: tuple[int, int]) -> list[tuple[int, int]]:
-        """Every process's pair of ``counts``, in rank order (one small all-gather)."""
-        if self.world_size == 1:
-            return [counts]
-        mine = torch.tensor(counts, dtype=torch.int64, device=self.device)
-        out = torch.empty(2 * self.world_size, dtype=torch.int64, device=self.device)
-        self.backend.collectives.all_gather_into_tensor(out, mine)
-        values = [int(v) for v in out.tolist()]
-        return [(values[2 * r], values[2 * r + 1]) for r in range(self.world_size)]
+        return settings.data_seed if settings.data_seed is not None else torch.random.initial_seed()
 
     # ------------------------------------------------------------------ the training step
     @contextlib.contextmanager
@@ -491,7 +479,7 @@ class Accelerator(AccelerateSurface):
         ``autocast_handler``: an ``AutocastKwargs``; ``enabled=False`` turns it off in the block
         (default: the one given in ``kwargs_handlers``).
         """
-        enabled = self._autocast_enabled if autocast_handler is None else bool(autocast_handler.enabled)
+        enabled = self.accelerate_args.autocast_enabled if autocast_handler is None else bool(autocast_handler.enabled)
         return self.precision.autocast(enabled)
 
     def clip_grad_norm_(
@@ -539,83 +527,12 @@ class Accelerator(AccelerateSurface):
         and ``mfu`` against the device's peak (``peak_tflops``, ``peak_source``; ``XSHARD_PEAK_TFLOPS``
         overrides it), with the counts, the seconds and the FLOPs formula used (``xshard.runtime.throughput``).
         Reads the counted mask sums from the device: call it where the loop already synchronises (logging)."""
-        return self.job.throughput.report(self.world_size, self._peak())
+        return self.job.throughput.report(self.world_size, self._peak(self.compute_dtype))
 
-    def _peak(self) -> PeakFlops:
-        if self._peak_flops is None:
-            dtype = self.compute_dtype
-            try:
-                name = self.backend.device_name()
-            except Exception as exc:  # a metric never ends a run: no peak, and the report says why
-                self._peak_flops = PeakFlops(None, f"the device's name could not be read ({type(exc).__name__}: "
-                                                   f"{exc}): set {PEAK_ENV}")
-                return self._peak_flops
-            self._peak_flops = peak_flops(name, dtype, table=self.backend.peak_tflops,
-                                          measure=lambda: self.backend.measured_peak_tflops(dtype))
-        return self._peak_flops
-
-    # ------------------------------------------------------------------ collectives and processes
-    def gather(self, data: Any) -> Any:
-        """Concatenate every rank's tensor(s) along dim 0 (0-dim tensors become a vector of W values).
-
-        Works on nested dicts/lists/tuples of tensors; shapes must match across ranks.
-        """
-        return self._cut_after_collectives(metrics.map_tensors(data, self._gather_one))
-
-    def _cut_after_collectives(self, result: Any) -> Any:
-        """On devices that compile graphs (XLA), run the collectives just traced now, in a graph cut
-        here on every rank (XLA:CPU's replica threads meet before compiling it): a later read of the
-        result is then a copy, not a graph with a collective that one rank runs on its own time."""
-        if self.backend.compiles_graphs and self.world_size > 1:
-            self.backend.mark_step()
-        return result
-
-    def _gather_one(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.detach().to(self.device)
-        t = t.reshape(1) if t.dim() == 0 else t.contiguous()
-        out = t.new_empty((self.world_size * t.shape[0], *t.shape[1:]))
-        self.backend.collectives.all_gather_into_tensor(out, t)
-        return out
-
-    def reduce(self, data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        """Sum, average or max of tensor(s) over ranks, times ``scale`` ("none": unchanged); returns
-        new tensors (the inputs are left alone). The default is a sum, as in Accelerate."""
-        ops = {"mean": "avg", "sum": "sum", "max": "max", "none": None}
-        if reduction not in ops:
-            raise ValueError(f"reduce(reduction={reduction!r}): use 'sum', 'mean', 'max' or 'none'")
-
-        def one(t: torch.Tensor) -> torch.Tensor:
-            out = t.detach().to(self.device).clone()
-            if not out.is_floating_point() and reduction == "mean":
-                out = out.float()
-            op = ops[reduction]
-            if op is not None and self.world_size > 1:
-                self.backend.collectives.all_reduce(out, op=op)
-            return out * scale if scale != 1.0 else out
-
-        return self._cut_after_collectives(metrics.map_tensors(data, one))
-
+    # ------------------------------------------------------------------ processes
     def wait_for_everyone(self) -> None:
         """Barrier: every rank waits until all reach this point."""
         self.job.barrier()
-
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        """Run the block on rank 0 first, then on the others (e.g. to download or preprocess once)."""
-        if not self.is_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_main_process:
-            self.wait_for_everyone()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only."""
-        if self.is_main_process:
-            builtins.print(*args, **kwargs)
-
-    def progress(self, iterable: Iterable[Any] | None = None, **kwargs: Any) -> Any:
-        """A tqdm progress bar shown on the main process only."""
-        return progress(iterable, **kwargs)
 
     # ------------------------------------------------------------------ Accelerate's arguments and state
     def _setup_accelerate(self, compat: AccelerateSettings) -> None:
@@ -624,17 +541,11 @@ class Accelerator(AccelerateSurface):
         job.adjust_scheduler, job.sync_with_dataloader = compat.adjust_scheduler, compat.sync_with_dataloader
         job.sync_each_batch, job.split_batches = compat.sync_each_batch, compat.split_batches
         job.step_scheduler_with_optimizer = compat.step_scheduler_with_optimizer
-        use_barrier(self.wait_for_everyone)  # in_order logging takes turns at it
+        log_for_job(self.job)  # in_order logging takes turns in its ranks, at its barrier
         share_with_accelerate(self)  # accelerate.logging.get_logger works beside this Accelerator
         if compat.ignored and self.is_main_process:
             warnings.warn("Accelerator: these arguments have no effect in xshard and are ignored: "
                           + "; ".join(compat.ignored), stacklevel=3)
-
-    def _planned_checkpoint_files(self) -> dict[str, int]:
-        """The files this rank would write in ``save_state``, name -> bytes, written nowhere (for a dry run)."""
-        from .checkpoint.save_load import planned_files
-
-        return planned_files(self.job)
 
     def _fill_auto_batch(self, loader: ShardedDataLoader) -> None:
         """A ds_config's ``"auto"`` micro-batch: the first prepared loader's batch size per process."""
@@ -672,54 +583,6 @@ class Accelerator(AccelerateSurface):
             chosen = [o.optimizer if isinstance(o, PreparedOptimizer) else o for o in given]
         self.precision.unscale(chosen)
 
-    # ------------------------------------------------------------------ evaluation across processes
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """``gather`` of per-sample values in the loader's order, each sample once
-        (``xshard.accelerate_compat.metrics``).
-
-        37 evaluation samples on 2 processes give 37 values, not 38, in the order the loader reads
-        the data set (so they line up with its labels). Non-tensor data (or
-        ``use_gather_object=True``) is gathered as Python objects: a list per process, joined.
-        """
-        if use_gather_object or not metrics.only_tensors(input_data):
-            data = metrics.gather_object(self.backend.collectives, self.device, input_data)
-        else:
-            data = self.gather(input_data)
-        loader = self.job.active_loader()
-        found = loader.real_counts() if loader is not None else None
-        if found is None:
-            return data
-        counts, batch_len = found
-        assert loader is not None  # found is None without a loader
-        return metrics.in_loader_order(data, counts, batch_len, self.world_size, loader.batch_size)
-
-    # ------------------------------------------------------------------ checkpoints: what they hold, where a loader resumes
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Save and load these objects' ``state_dict()`` with ``save_state`` / ``load_state``."""
-        invalid = [i for i, obj in enumerate(objects)
-                   if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None))]
-        if invalid:
-            names = ", ".join(f"item at index {i} ({type(objects[i]).__name__})" for i in invalid)
-            raise ValueError(f"register_for_checkpointing: every object needs state_dict() and load_state_dict(); "
-                             f"these do not: {names}")
-        self.job.custom_objects.extend(objects)
-        self._resume_if_restarted()
-
-    def _resume_if_restarted(self) -> None:
-        """A job restarted by ``xshard launch --max_restarts`` loads its newest checkpoint once everything
-        it holds is prepared (``xshard.checkpoint.auto_resume``); an automatic checkpoint's numbering then
-        goes on after the one loaded, as ``load_state()`` continues it."""
-        loaded = auto_resume.resume_if_restarted(self.job, self.project_dir)
-        if loaded is not None:
-            project.continue_after(self.project_configuration, loaded)
-
-    def skip_first_batches(self, dataloader: Any, num_batches: int = 0) -> Any:
-        """The loader from batch ``num_batches`` of its current epoch on (``xshard.runtime.data``): after
-        ``load_state`` restored that position, nothing more is skipped."""
-        from .runtime.data import skip_first_batches
-
-        return skip_first_batches(dataloader, num_batches)
-
     # ------------------------------------------------------------------ models and state
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
                      keep_torch_compile: bool = True) -> torch.nn.Module:
@@ -743,67 +606,6 @@ class Accelerator(AccelerateSurface):
             return cast(Any, model).full_state_dict(rank0_only=True)
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
-    def save_state(self, directory: str | os.PathLike | None = None, state_dict_type: str | None = None,
-                   save_total_limit: int | None = None, async_save: bool | None = None, **kwargs: Any) -> Path:
-        """Save models, optimizers, schedulers, loaders' positions, scaler, RNG, step and the objects
-        given to ``register_for_checkpointing`` to ``directory``.
-
-        Atomic: the folder appears complete or not at all. ``state_dict_type`` ("full", "local",
-        "sharded"; default: the config's, "full": one plain model.safetensors, resumable on any world
-        size and stage) is described in ``xshard.checkpoint.formats``.
-        ``save_total_limit`` keeps only the newest N complete checkpoints in ``directory``'s parent.
-        Without ``directory``, a ``ProjectConfiguration(automatic_checkpoint_naming=True)`` names it
-        ``project_dir/checkpoints/checkpoint_<iteration>`` and its ``total_limit`` applies
-        (``xshard.accelerate_compat.project``). Accelerate's ``safe_serialization`` is accepted (models are always
-        safetensors). Every rank must call it. Returns the checkpoint's path.
-        ``async_save`` (default: the config's ``async_save``): return once this rank's state is copied
-        to host memory and write the files in the background (``xshard.checkpoint.async_save``); the
-        next ``save_state``, ``load_state`` and ``end()`` wait for it and raise its error if it failed.
-        """
-        from .checkpoint import save_state
-
-        automatic = directory is None
-        if automatic:
-            if not project.enabled(self.project_configuration):
-                raise ValueError("save_state() needs a folder, or ProjectConfiguration(automatic_checkpoint_naming="
-                                 "True, project_dir=...) given to the Accelerator as project_config")
-            directory = project.next_checkpoint(self.project_configuration)
-            if save_total_limit is None:
-                save_total_limit = getattr(self.project_configuration, "total_limit", None)
-        background = self.config.async_save if async_save is None else bool(async_save)
-        assert directory is not None  # named above when it was not given
-        path = save_state(self.job, directory, state_dict_type, save_total_limit, async_save=background)
-        auto_resume.record(path, self.local_process_index)  # where a restarted job resumes from
-        if automatic:
-            self.project_configuration.iteration += 1
-        return path
-
-    def load_state(self, directory: str | os.PathLike | None = None, resume_from_checkpoint: bool = False, *,
-                   missing_ok: bool = False, **kwargs: Any) -> Path | None:
-        """Restore everything ``save_state`` wrote; returns the folder loaded.
-
-        With ``resume_from_checkpoint=True``, ``directory`` is the output folder that holds the
-        checkpoints: the newest complete one is loaded (incomplete ones are skipped with a warning).
-        A folder that does not exist or holds no checkpoint is an error naming it (a mistyped path
-        never restarts training from scratch); ``missing_ok=True`` instead returns None and loads
-        nothing, for a script whose first run has no checkpoint yet. Without ``directory``, the newest
-        automatic checkpoint of the project is loaded (see ``save_state``). The default ("full") and
-        "sharded" checkpoints load on any world size and stage; "local" ones need the same world
-        size and stage. A folder written by Accelerate for an FSDP model loads too. A bad
-        checkpoint raises ``xshard.checkpoint.CheckpointError`` naming the file and key, and
-        changes nothing. Accelerate's other keyword arguments are accepted and have no effect.
-        """
-        from .checkpoint import load_state, resume
-
-        if directory is None:
-            if not project.enabled(self.project_configuration):
-                raise ValueError("load_state() needs a folder, or automatic checkpoint naming (ProjectConfiguration("
-                                 "automatic_checkpoint_naming=True, project_dir=...))")
-            directory = project.latest(self.project_configuration)
-        if resume_from_checkpoint:
-            return resume(self.job, directory, missing_ok=missing_ok)
-        return load_state(self.job, directory, missing_ok=missing_ok)
-
     def end(self) -> None:
         """Leave the process group, undo the prepared models' backend patches and free the output folders' locks
         (``xshard.checkpoint.output_lock``); safe to call twice."""
@@ -814,16 +616,17 @@ class Accelerator(AccelerateSurface):
             wait_for_background_save(self.job)  # an async save is complete (or its error raised) before the end
             self.wait_for_everyone()
             output_lock.release_all()  # the output folders are free for another job
-            self._close_models()
+            self.close_models()
             self._leave()
 
     def _leave(self) -> None:
-        use_barrier(None)
+        log_for_job(None)
         unshare_with_accelerate()
         self.backend.destroy_process_group()
         self._ended = True
 
-    def _close_models(self) -> None:
+    def close_models(self) -> None:
+        """Undo the prepared models' backend patches and hooks (``end`` and ``free_memory`` call it)."""
         self._stale_guard.remove()
         for model in self.job.models:
             close = getattr(model, "close", None)
@@ -851,7 +654,7 @@ class Accelerator(AccelerateSurface):
         if exc[0] is None:
             self.end()
         else:  # do not wait at a barrier for ranks that may be gone
-            self._close_models()
+            self.close_models()
             self._leave()
 
 

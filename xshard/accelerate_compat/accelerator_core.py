@@ -14,6 +14,8 @@ from typing import Any, Protocol
 import torch
 
 from ..backends import Backend
+from ..config import XShardConfig
+from ..config.accelerate_args import AccelerateSettings
 from ..runtime.job import JobState
 from .accelerator_state import AcceleratorState
 
@@ -24,17 +26,16 @@ class AcceleratorCore(Protocol):
     #: the job's facts, prepared objects and step counters
     job: JobState
     backend: Backend
+    config: XShardConfig
     #: Accelerate's ``AcceleratorState`` view of the job
     state: AcceleratorState
     #: Accelerate's ``ProjectConfiguration`` (xshard's or Accelerate's own class, read by its fields)
     project_configuration: Any
     #: the running trackers (main process) and the ones ``log_with`` chose
     trackers: list[Any]
-    _tracker_choice: list[Any]
-    #: Accelerate's ``DataLoaderConfiguration`` values the core was built with
-    _data_seed: int | None
-    _seedable_sampler: bool
-    _non_blocking: bool | None
+    tracker_choice: list[Any]
+    #: Accelerate's arguments the core was built with (its ``DataLoaderConfiguration`` values among them)
+    accelerate_args: AccelerateSettings
 
     @property
     def rank(self) -> int: ...
@@ -57,6 +58,9 @@ class AcceleratorCore(Protocol):
     @property
     def compute_dtype(self) -> torch.dtype | None: ...
 
+    @property
+    def project_dir(self) -> str | None: ...
+
     def reduce(self, data: Any, reduction: str = "sum", scale: float = 1.0) -> Any: ...
 
     def wait_for_everyone(self) -> None: ...
@@ -67,4 +71,4 @@ class AcceleratorCore(Protocol):
 
     def end(self) -> None: ...
 
-    def _close_models(self) -> None: ...
+    def close_models(self) -> None: ...

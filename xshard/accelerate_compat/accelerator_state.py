@@ -349,7 +349,7 @@ class AcceleratorState:
     def dynamo_plugin(self) -> Any:
         """The ``TorchDynamoPlugin`` ``prepare`` compiles each model with (backend ``NO``: none), as Accelerate's
         state holds it (``xshard.config.dynamo``)."""
-        return self._acc._dynamo_plugin
+        return self._acc.accelerate_args.dynamo
 
     @property
     def megatron_lm_plugin(self) -> None:

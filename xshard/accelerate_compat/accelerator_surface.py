@@ -10,15 +10,17 @@ only the core members ``AcceleratorCore`` declares (``accelerator_core.py``), so
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..runtime.rank_logging import progress
 from ..runtime.throughput import throughput_values
 from . import metrics, profiling, saving, tracking
 from .accelerator_state import DistributedType
@@ -91,13 +93,13 @@ class AccelerateSurface(AcceleratorCore):
         from .utils import DataLoaderConfiguration
 
         return DataLoaderConfiguration(split_batches=self.split_batches, dispatch_batches=False, even_batches=True,
-                                       use_seedable_sampler=self.use_seedable_sampler, data_seed=self._data_seed,
-                                       non_blocking=bool(self._non_blocking), use_stateful_dataloader=True)
+                                       use_seedable_sampler=self.use_seedable_sampler,
+                                       data_seed=self.accelerate_args.data_seed, non_blocking=self.non_blocking, use_stateful_dataloader=True)
 
     @property
     def non_blocking(self) -> bool:
         """Batches are copied to the device without waiting (``DataLoaderConfiguration.non_blocking``)."""
-        return bool(self._non_blocking)
+        return bool(self.accelerate_args.non_blocking)
 
     @property
     def dispatch_batches(self) -> bool:
@@ -109,7 +111,7 @@ class AccelerateSurface(AcceleratorCore):
         """``DataLoaderConfiguration.use_seedable_sampler``: a plain shuffle's order comes from one seed and the
         epoch (True), or from torch's global RNG as Accelerate's default loader draws it (False); either way the
         same order on every rank (``xshard.runtime.batch_order``)."""
-        return self._seedable_sampler
+        return self.accelerate_args.use_seedable_sampler
 
     @property
     def use_stateful_dataloader(self) -> bool:
@@ -209,14 +211,31 @@ class AccelerateSurface(AcceleratorCore):
         with profiling.profile(handler, self.backend.device_type, self.rank, self.wait_for_everyone) as profiler:
             yield profiler
 
-    @contextlib.contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
+    def main_process_first(self) -> contextlib.AbstractContextManager[None]:
+        """Run the block on rank 0 first, then on the others (e.g. to download or preprocess once)."""
+        return self._first_on(self.is_main_process)
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager[None]:
         """Run the block on each node's local rank 0 first, then on the node's other processes."""
-        if not self.is_local_main_process:
+        return self._first_on(self.is_local_main_process)
+
+    @contextlib.contextmanager
+    def _first_on(self, first: bool) -> Iterator[None]:
+        """The block on the processes where ``first`` is True, then (after a barrier) on the others."""
+        if not first:
             self.wait_for_everyone()
         yield
-        if self.is_local_main_process:
+        if first:
             self.wait_for_everyone()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the main process only."""
+        if self.is_main_process:
+            builtins.print(*args, **kwargs)
+
+    def progress(self, iterable: Iterable[Any] | None = None, **kwargs: Any) -> Any:
+        """A tqdm progress bar shown on the main process only (``xshard.runtime.rank_logging.progress``)."""
+        return progress(iterable, **kwargs)
 
     def _only_on(self, run: bool, function: Callable[..., Any] | None) -> Any:
         def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -251,7 +270,7 @@ class AccelerateSurface(AcceleratorCore):
                       init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
         """Start the ``log_with`` trackers for run ``project_name`` and record ``config`` (main process)."""
         if self.is_main_process:
-            self.trackers = tracking.start(self._tracker_choice, project_name, self.logging_dir, config, init_kwargs)
+            self.trackers = tracking.start(self.tracker_choice, project_name, self.logging_dir, config, init_kwargs)
 
     def log(self, values: dict[str, Any], step: int | None = None,
             log_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
@@ -297,7 +316,7 @@ class AccelerateSurface(AcceleratorCore):
         returns one None per object (``model, optimizer = accelerator.free_memory(model, optimizer)``)."""
         from .utils import release_memory
 
-        self._close_models()
+        self.close_models()
         for kept in (self.job.models, self.job.optimizers, self.job.schedulers, self.job.loaders):
             kept.clear()
         self.job.step = self.job.micro_step = 0

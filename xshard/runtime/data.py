@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 from ..sharding.trees import map_leaves
 from .batch_order import EpochBatches, RankBatches
 from .iterator_seed import IteratorSeed
+from .loader_job import ALONE, LoaderAgreement, PassOrder
 from .loader_surface import AccelerateLoaderMembers
 from .rank_logging import get_logger
 from .stream_position import StreamPosition
@@ -185,9 +186,10 @@ class ShardedDataLoader(AccelerateLoaderMembers):
         non_blocking: bool | None = None,
         batch_size: int | None = None,
         stream: StreamShard | None = None,
-        exchange_counts: Callable[[tuple[int, int]], list[tuple[int, int]]] | None = None,
+        agreement: LoaderAgreement | None = None,
         num_replicas: int = 1,
         split_batches: bool = False,
+        pass_order: PassOrder | None = None,
     ) -> None:
         self.loader = loader
         #: the world the position is counted in (a resume on another world size converts it: ``load_state_dict``)
@@ -196,9 +198,9 @@ class ShardedDataLoader(AccelerateLoaderMembers):
         self.device = device
         self.sampler = sampler
         self.stream = stream
-        #: for a stream whose ranks may end apart: every rank's (real samples, samples) in its next batch
-        #: (a collective)
-        self._exchange_counts = exchange_counts
+        #: for a stream whose ranks may end apart: the job's agreement, asked for every rank's (real samples,
+        #: samples) in its next batch (a collective); None where the ranks end together
+        self._agreement = agreement
         self._first: Any = None  # the pass's first batch: what a rank whose stream ended reads again
         self._counts: list[list[tuple[int, int]]] = []  # the exchanged counts of the batch in use and the one ahead
         self._batch_size = loader.batch_size if batch_size is None else batch_size
@@ -208,9 +210,11 @@ class ShardedDataLoader(AccelerateLoaderMembers):
         self.batches_consumed = 0
         self.end_of_epoch = False
         #: True between the first and the last batch of a pass; ``iteration_order`` orders the
-        #: passes of all loaders, so the one started last is the one being used (nested loops)
+        #: passes of the job's loaders (its ``PassOrder``), so the one started last is the one being used
+        #: (nested loops)
         self.in_iteration = False
         self.iteration_order = 0
+        self._pass_order = pass_order if pass_order is not None else PassOrder()
         #: this rank's record of the epoch's base-seed draw (checkpointed with the rank's RNG states)
         self.iterator_seed = IteratorSeed(loader)
         #: a stateful stream's own position per batch (``stream_position``; kept with the rank's RNG states)
@@ -291,7 +295,7 @@ class ShardedDataLoader(AccelerateLoaderMembers):
         keeps it with the rank's RNG states)."""
         state: dict[str, Any] = {"epoch": self.epoch, "batches_consumed": self.batches_consumed,
                                  "world_size": self.num_replicas, "step_samples": self._step_samples(),
-                                 "split_by_node": self._exchange_counts is not None}
+                                 "split_by_node": self._agreement is not None}
         if self.sampler is not None:
             state.update(self.sampler.source.state_dict())
         return state
@@ -340,7 +344,7 @@ class ShardedDataLoader(AccelerateLoaderMembers):
         saved_step, step = state.get("step_samples", self._step_samples()), self._step_samples()
         if (saved_world, saved_step) == (self.num_replicas, step):
             return consumed
-        if state.get("split_by_node") or self._exchange_counts is not None:
+        if state.get("split_by_node") or self._agreement is not None:
             raise ValueError(
                 f"{_name(self.loader)}: the checkpoint's position is in the stream's split by node over {saved_world} "
                 f"processes, and this job has {self.num_replicas} (each would read other shards): resume on "
@@ -366,7 +370,7 @@ class ShardedDataLoader(AccelerateLoaderMembers):
         repeat samples to even out the last batch. None when the loader is not sharded by index."""
         if not self.in_iteration or self.batches_consumed == 0:
             return None
-        if self._exchange_counts is not None and self._counts:
+        if self._agreement is not None and self._counts:
             return [real for real, _ in self._counts[0]], max(size for _, size in self._counts[0])
         if self.sampler is None:
             return None
@@ -392,12 +396,12 @@ class ShardedDataLoader(AccelerateLoaderMembers):
             self.sampler.fresh = start == 0
         if self.stream is not None:
             self.stream.set_epoch(self.epoch)
-        elif self._exchange_counts is not None:
+        elif self._agreement is not None:
             set_epoch = getattr(self.loader.dataset, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(self.epoch)  # a stream split by node: its shuffle follows the epoch
         first = _EXHAUSTED
-        if self._exchange_counts is not None and self.stream_position.restorable(self.epoch, self.batches_consumed):
+        if self._agreement is not None and self.stream_position.restorable(self.epoch, self.batches_consumed):
             # A rank whose part ends before the others' reads its pass's first batch again (``_next``): read it
             # from the pass's start before the stream jumps to where it was saved.
             with self.iterator_seed.drawing(starts_epoch=False):
@@ -415,9 +419,7 @@ class ShardedDataLoader(AccelerateLoaderMembers):
         with self.iterator_seed.drawing(starts_epoch=start == 0):
             source = iter(self._wrap(self.loader))
         non_blocking = bool(self.loader.pin_memory) if self._non_blocking is None else self._non_blocking
-        global _ITERATIONS
-        _ITERATIONS += 1
-        self.iteration_order = _ITERATIONS
+        self.iteration_order = self._pass_order.next()
         if skip_here:  # a stream split by node or read by workers, or a loader not sharded here (a stream on
             # one process, ``shard=False``), resumes by reading its consumed batches again
             for _ in range(self.batches_consumed):
@@ -450,7 +452,7 @@ class ShardedDataLoader(AccelerateLoaderMembers):
         self.stream_position.before_read(self.epoch, self._read)
         upcoming = next(source, _EXHAUSTED)
         self._read += 1
-        if self._exchange_counts is None:
+        if self._agreement is None:
             return upcoming
         if upcoming is not _EXHAUSTED and self._first is None:
             self._first = upcoming
@@ -458,7 +460,7 @@ class ShardedDataLoader(AccelerateLoaderMembers):
             mine = (_batch_len(upcoming), _batch_len(upcoming))
         else:
             mine = (0, 0 if self._first is None else _batch_len(self._first))
-        counts = self._exchange_counts(mine)
+        counts = self._agreement.every_process_count(mine)
         self._counts = [*self._counts[-1:], counts]
         if not any(real for real, _ in counts):
             return _EXHAUSTED
@@ -472,7 +474,6 @@ class ShardedDataLoader(AccelerateLoaderMembers):
 
 
 _EXHAUSTED = object()
-_ITERATIONS = 0
 
 
 def _batch_len(batch: Any) -> int:
@@ -547,25 +548,29 @@ def shard_data_loader(
     split_batches: bool = False,
     non_blocking: bool | None = None,
     pad_to_multiple_of: int | None = None,
-    agree: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
-    exchange_counts: Callable[[tuple[int, int]], list[tuple[int, int]]] | None = None,
+    agreement: LoaderAgreement | None = None,
+    pass_order: PassOrder | None = None,
 ) -> ShardedDataLoader:
     """This rank's share of ``loader``, with device placement and a position (``ShardedDataLoader``).
 
     A map-style loader (any ``sampler``, any ``batch_sampler``) gives rank ``r`` the ``r``-th of every
     ``num_replicas`` batches one process would draw (``xshard.runtime.batch_order``; ``seed`` seeds a plain
     ``shuffle=True`` as Accelerate's seedable sampler, None draws it as Accelerate's default loader;
-    ``agree`` gives generators rank 0's state). A stream is split by node or sliced per
-    global batch (``xshard.runtime.stream_shard``; ``exchange_counts``: every rank's (real samples, samples) in
-    its next batch, an all-gather, for streams whose ranks may end apart). ``loader.batch_size`` is per rank; with ``split_batches`` it is the
-    global batch, each rank taking its slice. ``wrap`` is the backend's ``wrap_dataloader`` (XLA's
+    generators take rank 0's state from ``agreement``, the job's ``LoaderAgreement``). A stream is split by node
+    or sliced per global batch (``xshard.runtime.stream_shard``; a stream whose ranks may end apart asks
+    ``agreement`` for every rank's (real samples, samples) in its next batch, an all-gather). Without
+    ``agreement`` the loader is a process's own: generators keep their state, a stream's ranks end apart.
+    ``loader.batch_size`` is per rank; with ``split_batches`` it is the global batch, each rank taking its slice. ``wrap`` is the backend's ``wrap_dataloader`` (XLA's
     MpDeviceLoader). ``shard=False`` only places batches (for a loader the caller already sharded).
     ``pad_to_multiple_of``: token batches are padded to a multiple of this width (``xshard.static_shapes``).
+    ``pass_order``: the job's numbering of its loaders' passes (``JobState.loader_passes``; default: this
+    loader's own).
     """
     if not shard:  # the caller's share: its position is its own (counted as a world of one)
-        return ShardedDataLoader(loader, device, None, wrap, non_blocking)
+        return ShardedDataLoader(loader, device, None, wrap, non_blocking, pass_order=pass_order)
     if num_replicas == 1 and isinstance(loader.dataset, IterableDataset):  # the whole stream, in its order
-        return ShardedDataLoader(loader, device, None, wrap, non_blocking, split_batches=split_batches)
+        return ShardedDataLoader(loader, device, None, wrap, non_blocking, split_batches=split_batches,
+                                 pass_order=pass_order)
     size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
     if split_batches and (size is None or size % num_replicas):
         raise ValueError(
@@ -575,7 +580,7 @@ def shard_data_loader(
     per_rank = None if size is None else (size // num_replicas if split_batches else size)
     if isinstance(loader.dataset, IterableDataset):
         return _shard_stream(loader, device, num_replicas, rank, wrap, split_batches, non_blocking,
-                             pad_to_multiple_of, exchange_counts, per_rank)
+                             pad_to_multiple_of, agreement, per_rank, pass_order)
     try:
         len(loader.batch_sampler)  # type: ignore[arg-type]
     except TypeError:
@@ -584,25 +589,24 @@ def shard_data_loader(
             f"prepare() cannot shard {_name(loader)}: its {type(sampler).__name__} has no length, so the batches "
             "that even out the epoch's end cannot be known; give it __len__, or shard the loader yourself and pass "
             "accelerator.prepare_data_loader(loader, shard=False)") from None
-    batches = RankBatches(EpochBatches(loader, seed, agree, num_replicas), num_replicas, rank, split_batches,
+    batches = RankBatches(EpochBatches(loader, seed, (agreement or ALONE).main_process_value, num_replicas), num_replicas, rank, split_batches,
                           length=len(cast(Sized, loader.dataset)) if isinstance(loader.dataset, Sized) else 0)
     rebuilt = _rebuild(loader, loader.dataset, {"batch_sampler": batches}, pad_to_multiple_of)
     return ShardedDataLoader(rebuilt, device, batches, wrap, non_blocking, batch_size=per_rank,
-                             num_replicas=num_replicas, split_batches=split_batches)
+                             num_replicas=num_replicas, split_batches=split_batches, pass_order=pass_order)
 
 
 def _shard_stream(loader: DataLoader, device: torch.device, num_replicas: int, rank: int,
                   wrap: Callable[[Any], Any], split_batches: bool, non_blocking: bool | None,
-                  pad_to_multiple_of: int | None,
-                  exchange_counts: Callable[[tuple[int, int]], list[tuple[int, int]]] | None,
-                  per_rank: int | None) -> ShardedDataLoader:
+                  pad_to_multiple_of: int | None, agreement: LoaderAgreement | None, per_rank: int | None,
+                  pass_order: PassOrder | None) -> ShardedDataLoader:
     """A stream's share for this rank (``xshard.runtime.stream_shard``)."""
     if splits_by_node(loader.dataset, num_replicas) and not split_batches:
         mine = split_by_node(loader.dataset, rank, num_replicas)
         rebuilt = _rebuild(loader, mine, {"batch_size": loader.batch_size, "drop_last": loader.drop_last},
                            pad_to_multiple_of)
-        return ShardedDataLoader(rebuilt, device, None, wrap, non_blocking, exchange_counts=exchange_counts,
-                                 num_replicas=num_replicas)
+        return ShardedDataLoader(rebuilt, device, None, wrap, non_blocking, agreement=agreement,
+                                 num_replicas=num_replicas, pass_order=pass_order)
     if per_rank is None:
         raise ValueError(
             f"prepare() cannot shard {_name(loader)}: a stream is cut per global batch, and this DataLoader does not "
@@ -611,4 +615,4 @@ def _shard_stream(loader: DataLoader, device: torch.device, num_replicas: int, r
     stream = StreamShard(loader.dataset, per_rank, num_replicas, rank, loader.drop_last)
     rebuilt = _rebuild(loader, stream, {"batch_size": per_rank, "drop_last": loader.drop_last}, pad_to_multiple_of)
     return ShardedDataLoader(rebuilt, device, None, wrap, non_blocking, batch_size=per_rank, stream=stream,
-                             num_replicas=num_replicas, split_batches=split_batches)
+                             num_replicas=num_replicas, split_batches=split_batches, pass_order=pass_order)

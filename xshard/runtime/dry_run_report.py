@@ -51,10 +51,12 @@ class DryRunReport:
     """Watches a job's optimizer steps on the dry run's backend and writes its report (module docstring)."""
 
     def __init__(self, job: JobState, settings: DryRunSettings,
-                 checkpoint_files: Callable[[], dict[str, int]] | None = None) -> None:
+                 checkpoint_files: Callable[[JobState], dict[str, int]] | None = None) -> None:
         self.job = job
         self.settings = settings
-        #: the files this rank would write in a save, name -> bytes (``checkpoint.save_load.planned_files``)
+        #: the files a job's rank would write in a save, name -> bytes: ``checkpoint.save_load.planned_files``,
+        #: handed in by the one who builds the report (the job machinery here imports no checkpoint code: the
+        #: checkpoint package imports this one's logging, and the packages form no circle)
         self.checkpoint_files = checkpoint_files
         self.path = Path(settings.report_path)
         self._previous: dict[str, dict[str, int]] | None = None
@@ -98,7 +100,7 @@ class DryRunReport:
             "collectives_per_step": self._last_step,
             "device_state_bytes": state,
             "peak_model_bytes": peak,
-            "checkpoint_files": self.checkpoint_files() if self.checkpoint_files is not None else None,
+            "checkpoint_files": self.checkpoint_files(job) if self.checkpoint_files is not None else None,
             "checkpoint_state_type": str(job.config.state_dict_type),
             "device_memory": memory,
             "not_checked": list(NOT_CHECKED),

@@ -34,6 +34,7 @@ import torch
 from ..backends import Backend
 from ..config import XShardConfig
 from .data import ShardedDataLoader
+from .loader_job import LoaderAgreement, PassOrder
 from .mixed_precision import Precision
 from .throughput import ThroughputMeter
 
@@ -125,6 +126,8 @@ class JobState:
     throughput: ThroughputMeter = field(default_factory=ThroughputMeter)
     #: called with the job after each optimizer step (a dry run's report: ``xshard.runtime.dry_run_report``)
     step_observers: list[Callable[[JobState], None]] = field(default_factory=list)
+    #: numbers the passes of this job's loaders (``active_loader`` asks it through their ``iteration_order``)
+    loader_passes: PassOrder = field(default_factory=PassOrder)
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -172,6 +175,12 @@ class JobState:
         """The job's timeout in seconds (its backend's: ``Accelerator(timeout=...)``, else the config's); None
         where the process group has torch's default."""
         return self.backend.timeout
+
+    @property
+    def loader_agreement(self) -> LoaderAgreement:
+        """What the job's prepared loaders' ranks agree on (rank 0's shuffle state, every rank's batch counts),
+        asked of the backend's collectives (``xshard.runtime.loader_job``)."""
+        return LoaderAgreement(self.backend.collectives, self.device, self.world_size)
 
     def barrier(self) -> None:
         """Every rank waits until all reach this point."""

@@ -24,9 +24,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 TRUE_WORDS = ("1", "true", "yes", "on")
@@ -49,9 +49,25 @@ class LogPlan:
     world_size: int = 1
 
 
+class LoggingJob(Protocol):
+    """What ``in_order`` logging asks of the job it logs for (``xshard.runtime.job.JobState`` is one)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def barrier(self) -> None: ...
+
+
 _current = LogPlan(level=logging.INFO, is_log_main=True, prefix="")
-#: every process waits here in ``in_order`` logging (the Accelerator installs its barrier)
-_barrier: Callable[[], None] | None = None
+#: The job this process's loggers log for (``log_for_job``): ``in_order`` logging takes turns in its ranks, at
+#: its barrier. Design note: one holder per process, not a job per logger, because Accelerate's
+#: ``get_logger(name)`` (and ``logging.getLogger``) takes no job: a logger made anywhere in a script, before or
+#: after the Accelerator, logs for the process's job. The Accelerator sets it once its job runs and takes it back
+#: when the job ends; None: no job (each process logs on its own, no waiting).
+_job: LoggingJob | None = None
 #: levels given to ``get_logger(name, log_level=...)``, kept over later ``setup_logging`` calls
 _explicit_levels: dict[str, int] = {}
 
@@ -134,10 +150,11 @@ def setup_logging(
     return _current
 
 
-def use_barrier(barrier: Callable[[], None] | None) -> None:
-    """The barrier ``in_order`` logging waits at (set by the Accelerator; None: no waiting)."""
-    global _barrier
-    _barrier = barrier
+def log_for_job(job: LoggingJob | None) -> None:
+    """Log for ``job`` from now on: ``in_order`` takes turns in its ranks at its barrier (set by the Accelerator
+    once its job runs; None when it ends: no job, no waiting)."""
+    global _job
+    _job = job
 
 
 class MultiProcessAdapter(logging.LoggerAdapter):
@@ -165,11 +182,16 @@ class MultiProcessAdapter(logging.LoggerAdapter):
             if wanted:
                 self._emit(level, msg, args, kwargs)
             return
-        for turn in range(plan.world_size):
-            if turn == plan.rank and wanted:
+        job = _job
+        if job is None:  # no job to take turns in: this process logs now
+            if wanted:
                 self._emit(level, msg, args, kwargs)
-            if _barrier is not None and plan.world_size > 1:
-                _barrier()
+            return
+        for turn in range(job.world_size):
+            if turn == job.rank and wanted:
+                self._emit(level, msg, args, kwargs)
+            if job.world_size > 1:
+                job.barrier()
 
     def _emit(self, level: int, msg: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         kwargs["stacklevel"] = kwargs.get("stacklevel", 2) + 1
