@@ -44,22 +44,22 @@ from ..errors import (
 from .base import Backend, StepPatch, World
 from .collectives import Collectives, CommCounter, DistCollectives, Handle, SingleProcessCollectives
 from .device import PeakTable
-from .vendor import VendorImport, import_vendor
+from .devices.vendor import VendorImport, import_vendor
 from .visible_devices import apply_visible_devices, parse_devices, visible_devices_value
 
 ENV_VAR = "XSHARD_BACKEND"
-#: the dry run's backend name (``backends/fake_group.py``; registered by ``python -m xshard.cli.dry_run``)
+#: the dry run's backend name (``backends/devices/dry_run_backend.py``; registered by ``python -m xshard.cli.dry_run``)
 DRY_RUN = "dry_run"
 log = logging.getLogger("xshard.backends")
 
 #: the built-in backends: name -> "module:Class"; modules are imported only when probed or used
 _BUILTIN: dict[str, str] = {
-    "tpu": f"{__name__}.tpu:TPUBackend",
-    "xla": f"{__name__}.xla:XLABackend",
-    "npu": f"{__name__}.npu:NPUBackend",
-    "cuda": f"{__name__}.cuda:CUDABackend",
-    "mps": f"{__name__}.mps:MPSBackend",
-    "cpu": f"{__name__}.cpu:CPUBackend",
+    "tpu": f"{__name__}.devices.tpu:TPUBackend",
+    "xla": f"{__name__}.devices.xla:XLABackend",
+    "npu": f"{__name__}.devices.npu:NPUBackend",
+    "cuda": f"{__name__}.devices.cuda:CUDABackend",
+    "mps": f"{__name__}.devices.mps:MPSBackend",
+    "cpu": f"{__name__}.devices.cpu:CPUBackend",
 }
 #: the documented probe order of ``auto`` (backends registered from outside never take part)
 AUTO_ORDER: tuple[str, ...] = ("tpu", "xla", "npu", "cuda", "mps", "cpu")

@@ -29,7 +29,7 @@ from .cluster import detect
 from .collectives import Collectives
 from .communication import CommunicationAPI
 from .device import DeviceAPI, StepPatch
-from .dry_run_settings import DryRunSettings
+from .devices.dry_run_settings import DryRunSettings
 from .environment import env_override
 from .world import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, World
 
@@ -130,8 +130,8 @@ class Backend(DeviceAPI, CommunicationAPI):
 
     # ------------------------------------------------------------------ launching
     def dry_run(self) -> DryRunSettings | None:
-        """What a dry run asks of this job (its report, steps, the target's memory: ``dry_run_settings.py``);
-        None for a real job. Only the dry run's backend (``fake_group.py``) answers."""
+        """What a dry run asks of this job (its report, steps, the target's memory: ``devices/dry_run_settings.py``);
+        None for a real job. Only the dry run's backend (``devices/dry_run_backend.py``) answers."""
         return None
 
     def launcher(self) -> Launcher:

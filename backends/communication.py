@@ -28,8 +28,8 @@ if dist.is_available():  # a torch built without distributed has no group to kee
     import torch.distributed.nn.functional  # noqa: F401
 
 from ..errors import WorldEnvironmentError, WorldSizeError
-from . import monitor
 from .collectives import IN_FLIGHT, Collectives, DistCollectives, SingleProcessCollectives
+from .diagnostics import monitor
 from .world import DEFAULT_MASTER_ADDR as DEFAULT_MASTER_ADDR  # re-exported: defined with World now
 from .world import DEFAULT_MASTER_PORT as DEFAULT_MASTER_PORT
 from .world import World
@@ -144,7 +144,7 @@ class CommunicationAPI:
         if self._collectives is not None and self._collectives.monitor is not None:
             self._collectives.monitor.stop()
         if self._owns_process_group and dist.is_initialized():
-            monitor.stop_all()  # every backend's monitor watches the group that goes away (monitor.py)
+            monitor.stop_all()  # every backend's monitor watches the group that goes away (diagnostics/monitor.py)
             dist.destroy_process_group()
         if _ExitGuard.owner is self and not dist.is_initialized():  # a group it joined still runs: left at exit
             _ExitGuard.owner = None

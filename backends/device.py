@@ -258,7 +258,7 @@ class DeviceAPI:
 
     def checkpoint_wrapper(self, module: torch.nn.Module) -> torch.nn.Module:
         """Make ``module`` recompute its activations in backward (in place; names unchanged)."""
-        from .checkpointing import checkpoint_forward
+        from .activation_checkpointing import checkpoint_forward
 
         return checkpoint_forward(module)
 

@@ -120,7 +120,7 @@ def _worker(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
     from support.host_reads import HostReads
 
-    from xshard.backends.cpu import CPUBackend
+    from xshard.backends.devices.cpu import CPUBackend
     from xshard.sharding import ShardingOptions, shard_model
 
     torch.set_num_threads(1)

@@ -54,7 +54,7 @@ COLUMNS = {
 def _operations(numel: int) -> dict[str, Callable[[], None]]:
     """One closure per column; each does the whole job, including any copy of the result."""
     from xshard.backends.collectives import DistCollectives
-    from xshard.backends.cpu import CPUBackend
+    from xshard.backends.devices.cpu import CPUBackend
 
     rank, world = dist.get_rank(), dist.get_world_size()
     shard = numel // world

@@ -104,7 +104,7 @@ def peak_tflops(facts: dict[str, Any], device: str) -> dict[str, Any]:
 
     measure = None
     if device == "cpu":
-        from xshard.backends.cpu import CPUBackend
+        from xshard.backends.devices.cpu import CPUBackend
 
         def measure() -> float | None:
             return CPUBackend().measured_peak_tflops(torch.bfloat16)

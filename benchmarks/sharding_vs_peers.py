@@ -143,7 +143,7 @@ def worker(args: argparse.Namespace) -> None:
     model = make_model(args.d, args.blocks)
     numel = sum(p.numel() for p in model.parameters())
     if args.gloo_reduce_scatter != "backend":  # the CPU backend's reduce-scatter form, for comparing them
-        from xshard.backends.cpu import CPUBackend
+        from xshard.backends.devices.cpu import CPUBackend
 
         options = {**CPUBackend().collective_options(), "reduce_scatter_form": args.gloo_reduce_scatter}
         CPUBackend.collective_options = lambda self: options

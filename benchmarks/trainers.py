@@ -150,7 +150,7 @@ def _deepspeed(model: torch.nn.Module, batch: torch.Tensor, stage: int, world_si
 
 
 def _xshard(model: torch.nn.Module, batch: torch.Tensor, stage: int, options: dict[str, Any]) -> Trainer:
-    from xshard.backends.cpu import CPUBackend
+    from xshard.backends.devices.cpu import CPUBackend
     from xshard.sharding import ShardingOptions, shard_model
 
     backend = CPUBackend()

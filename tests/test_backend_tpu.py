@@ -30,7 +30,7 @@ def test_identity(make_fake_tpu) -> None:
     make_fake_tpu()
     backend = TPU(World(rank=3, world_size=8, local_rank=3, local_world_size=4))
     assert (backend.device_type, backend.dist_backend, backend.visible_devices_env) == ("tpu", "tpu", None)
-    assert backend.native_avg is False  # averages are SUM then divide (see backends/tpu.py)
+    assert backend.native_avg is False  # averages are SUM then divide (see backends/devices/tpu.py)
     assert backend.compiles_graphs is True  # prepared loaders pad batches to static widths, as on XLA
     assert backend.supports(torch.bfloat16) and backend.supports(torch.float32)
     assert not backend.supports(torch.float16)
@@ -152,7 +152,7 @@ def _request(**kw) -> LaunchRequest:
 
 def test_launch_plans_one_process_per_chip_with_torch_tpu_s_launch_env(make_fake_tpu, clean_env) -> None:
     calls = make_fake_tpu(chips=4)
-    clean_env.setattr("xshard.backends.xla.tpu_chip_count", lambda *a: 4)
+    clean_env.setattr("xshard.backends.devices.xla.tpu_chip_count", lambda *a: 4)
     backend = TPU(World())
     assert backend.host_device_count() == 4  # from the PCI bus: the runtime stays free for the workers
     before = dict(os.environ)
@@ -169,7 +169,7 @@ def test_xshard_launch_plans_torchrun_per_chip_for_tpu(make_fake_tpu, clean_env,
     from xshard.cli.launch import LaunchOptions, plan_launch
 
     make_fake_tpu(chips=4)
-    clean_env.setattr("xshard.backends.xla.tpu_chip_count", lambda *a: 4)
+    clean_env.setattr("xshard.backends.devices.xla.tpu_chip_count", lambda *a: 4)
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
     plan = plan_launch(LaunchOptions(script=str(script), backend="tpu"))

@@ -1,4 +1,4 @@
-"""The hang diagnosis's store calls (``backends/bounded_store.py``): they give up after their bound, say why,
+"""The hang diagnosis's store calls (``backends/diagnostics/bounded_store.py``): they give up after their bound, say why,
 and recover; and no thread starts or ends while a job trains, so a data loader's fork cannot hang on
 CPython <= 3.11's thread-list lock (gh-112275: a loader worker stuck in ``os.fork`` was seen in CI while the
 monitor started a thread for each store call)."""
@@ -12,8 +12,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from xshard.backends.bounded_store import BoundedStore, StoreFailed, StoreUnreachable
-from xshard.backends.monitor import CollectiveMonitor
+from xshard.backends.diagnostics.bounded_store import BoundedStore, StoreFailed, StoreUnreachable
+from xshard.backends.diagnostics.monitor import CollectiveMonitor
 
 
 class _GatedStore:

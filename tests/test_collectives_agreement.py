@@ -10,7 +10,7 @@
 - ranks stuck in collectives that cannot complete each other (a collective of the script's own issued on one
   rank only; a unit called twice on one rank) under the default timeout of 30 minutes: the monitor names the
   mismatch on every rank seconds into the wait, with every rank's collective and the line of the user's code
-  each waits from (``backends/monitor.py``), not at the timeout.
+  each waits from (``backends/diagnostics/monitor.py``), not at the timeout.
 
 The stuck ranks' waits would last the whole timeout: each worker trains in a thread of its own, its main thread
 returns what its log said once the mismatch was named, and the process then ends (``_end_soon``).

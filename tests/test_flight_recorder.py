@@ -1,4 +1,4 @@
-"""The flight recorder (``backends/flight_recorder.py``): when a job hangs, every rank's last collectives are
+"""The flight recorder (``backends/diagnostics/flight_recorder.py``): when a job hangs, every rank's last collectives are
 written, the hung one naming the collective it waits in, and the launcher says where; ``kill -USR1`` writes a
 rank's on demand.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from support.restarts import run_job
 
-from xshard.backends.flight_recorder import DIR_ENV, FlightRecorder
+from xshard.backends.diagnostics.flight_recorder import DIR_ENV, FlightRecorder
 
 SCRIPT = Path(__file__).resolve().parent / "support" / "peer_fault_train.py"
 LAUNCH = [sys.executable, "-m", "xshard", "launch", "--nproc", "2"]

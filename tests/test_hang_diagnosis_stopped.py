@@ -20,7 +20,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from xshard.backends.monitor import CollectiveMonitor
+from xshard.backends.diagnostics.monitor import CollectiveMonitor
 
 
 @pytest.fixture

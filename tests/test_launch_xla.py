@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-import xshard.backends.xla as xla
+import xshard.backends.devices.xla as xla
 from xshard.backends import Selection
-from xshard.backends.xla import XLABackend, host_device_count
+from xshard.backends.devices.xla import XLABackend, host_device_count
 from xshard.cli.launch import LaunchError, LaunchOptions, plan_launch
 
 ROOT = Path(__file__).resolve().parent.parent

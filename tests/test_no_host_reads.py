@@ -159,7 +159,7 @@ def _emulated(kind: str):
             from support.fakes.npu import install_fake_torch_npu
 
             install_fake_torch_npu(device_count=2)
-            from xshard.backends.npu import NPUBackend as cls
+            from xshard.backends.devices.npu import NPUBackend as cls
 
             # dist.barrier asks torch for the current accelerator, whose hooks the real torch_npu registers
             monkeypatch.setattr(torch._C, "_get_accelerator", lambda: torch.device("cpu"))
@@ -167,7 +167,7 @@ def _emulated(kind: str):
             from support.fakes.cuda import fake_cuda
 
             fake_cuda(monkeypatch, device_count=2)
-            from xshard.backends.cuda import CUDABackend as cls
+            from xshard.backends.devices.cuda import CUDABackend as cls
 
             monkeypatch.setattr(cls, "dist_backend", "gloo")  # this CPU build of torch has no NCCL
             monkeypatch.setattr(cls, "process_group_options", lambda self: {})  # nor a GPU to bind it to

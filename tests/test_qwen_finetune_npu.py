@@ -38,7 +38,7 @@ def _emulated_npu_main() -> None:
     from support.fakes.npu import install_fake_torch_npu
 
     calls = install_fake_torch_npu(device_count=2, bf16=os.environ["FAKE_NPU_BF16"] == "1")
-    from xshard.backends.npu import NPUBackend
+    from xshard.backends.devices.npu import NPUBackend
 
     seen: dict = {"devices": set(), "autocast": set(), "bf16_probes": 0}
     real_device, real_init = NPUBackend.device, NPUBackend.init_process_group

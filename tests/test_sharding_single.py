@@ -94,7 +94,7 @@ def test_prefetch_is_bounded_by_max_inflight(cpu_backend) -> None:
 
 
 def test_devices_without_storage_resize_replace_the_tensor(clean_env) -> None:
-    from xshard.backends.cpu import CPUBackend
+    from xshard.backends.devices.cpu import CPUBackend
 
     class NoResize(CPUBackend):  # what a compiled (XLA-like) device declares
         frees_storage_by_resize = False

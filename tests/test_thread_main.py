@@ -91,7 +91,7 @@ def test_a_script_run_as_a_module_gets_its_spec_and_package(tmp_path: Path, monk
 def test_replica_threads_exchange_payloads_in_replica_order_round_after_round() -> None:
     """``replica_threads.exchange`` (what xm.rendezvous / xm.mesh_reduce become on XLA:CPU): every replica gets
     every payload in replica order, and a fast replica's next payload never reaches a slow one's current round."""
-    from xshard.backends import replica_threads
+    from xshard.backends.collectives import replica_threads
 
     world, rounds = 3, 20
     seen: dict[int, list[list[bytes]]] = {i: [] for i in range(world)}

@@ -178,8 +178,8 @@ def test_torch_accelerator_has_every_name_and_keyword_the_tpu_backend_uses() -> 
 
 def test_the_tpu_backend_s_facts_are_the_release_s(tpu_wheel) -> None:
     from xshard.backends import backend_class
-    from xshard.backends.tpu import LOAD_ENTRY_POINT
-    from xshard.backends.tpu import TORCH_RANGE as MESSAGE_RANGE
+    from xshard.backends.devices.tpu import LOAD_ENTRY_POINT
+    from xshard.backends.devices.tpu import TORCH_RANGE as MESSAGE_RANGE
 
     TPU = backend_class("tpu")
     # torch's auto-loading calls this entry point; the probe calls the same one when auto-loading was off

@@ -14,8 +14,8 @@ import torch_xla.core.xla_model as xm  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
 
 from xshard.backends import BackendUnavailableError, SingleProcessCollectives, get_backend, select  # noqa: E402
-from xshard.backends.xla import XLABackend, tpu_detected  # noqa: E402
-from xshard.backends.xla_collectives import XLACollectives  # noqa: E402
+from xshard.backends.collectives.xla_graph import XLACollectives  # noqa: E402
+from xshard.backends.devices.xla import XLABackend, tpu_detected  # noqa: E402
 
 pytestmark = pytest.mark.xla
 

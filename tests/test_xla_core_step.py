@@ -28,7 +28,7 @@ from support.xla_core_runs import GLOBAL_BATCH, build_tiny, train_on_cpu_backend
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import xshard  # noqa: E402
-from xshard.backends.xla import OptimizerStepPatch  # noqa: E402
+from xshard.backends.devices.xla import OptimizerStepPatch  # noqa: E402
 from xshard.sharding import ShardingOptions, shard_model  # noqa: E402
 
 pytestmark = pytest.mark.xla

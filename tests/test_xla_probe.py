@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from xshard.backends.xla import XLABackend, cpu_replicas_env, tpu_detected
+from xshard.backends.devices.xla import XLABackend, cpu_replicas_env, tpu_detected
 
 
 def _pci(root: Path, name: str, vendor: str, device: str) -> None:

@@ -3,9 +3,9 @@
 Three implementations share one interface (``Collectives``):
 - ``DistCollectives``: torch.distributed (gloo, nccl, hccl). Options choose, per operation, the fastest
   way a process group can do the job (gloo's own reduce-scatter and all-gather are slow; see
-  ``backends/cpu.py`` and ``benchmarks/collectives_gloo.py``).
+  ``backends/devices/cpu.py`` and ``benchmarks/collectives_gloo.py``).
 - ``SingleProcessCollectives``: world size 1; every call is a local copy or nothing.
-- torch_xla's, in ``backends/xla_collectives.py``.
+- torch_xla's, in ``backends/collectives/xla_graph.py``.
 
 One job per file:
 

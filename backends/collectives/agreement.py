@@ -7,7 +7,7 @@ an NPU that read waits until the device has drained its queue: the host can no l
 So the check at every optimizer step but the first (``DistCollectives.verify_same_collectives`` keeps
 the blocking all-reduce there: the commonest mistake, a branch taken by the rank, is then named before
 any update) only hands the step's record to this object, a few hundred nanoseconds on the main thread.
-The collective monitor's thread (``backends/monitor.py``) does the rest through the job's key-value
+The collective monitor's thread (``backends/diagnostics/monitor.py``) does the rest through the job's key-value
 store, at its own pace (about once a second):
 
 - each rank publishes its last ``PUBLISHED_STEPS`` records, (step, count, fingerprint, chain), where
@@ -40,8 +40,8 @@ from collections import deque
 from typing import Any
 
 from ...errors import CollectiveMismatchError
-from ..bounded_store import BoundedStore
-from ..monitor import HEARTBEAT, CollectiveMonitor
+from ..diagnostics.bounded_store import BoundedStore
+from ..diagnostics.monitor import HEARTBEAT, CollectiveMonitor
 from .trace import _MISMATCH_HINT, describe_mismatch, number
 
 log = logging.getLogger("xshard.backends")

@@ -1,7 +1,7 @@
 """``Handle``: a collective in flight, waited on once; ``IN_FLIGHT``: how many this process handed out.
 
 A wait that fails (a timeout, a peer that died mid-collective) is explained by the hang monitor
-(``backends/monitor.py``) where the handle is watched.
+(``backends/diagnostics/monitor.py``) where the handle is watched.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, TypeAlias
 import torch
 
 from ...errors import CollectiveMismatchError, CollectiveTimeoutError, RankDiedError
-from ..flight_recorder import FlightEntry
-from ..monitor import CollectiveMonitor
+from ..diagnostics.flight_recorder import FlightEntry
+from ..diagnostics.monitor import CollectiveMonitor
 
 if TYPE_CHECKING:
     from torch.distributed import Work  # a process group's in-flight operation
@@ -69,7 +69,7 @@ class Handle:
 
     def watch(self, monitor: CollectiveMonitor | None, number: int, description: str,
               entry: FlightEntry | None = None) -> Handle:
-        """Report waits on this handle to ``monitor`` as collective ``number`` (see ``backends.monitor``),
+        """Report waits on this handle to ``monitor`` as collective ``number`` (see ``backends.diagnostics.monitor``),
         and mark them on its flight-recorder ``entry``."""
         self._monitor, self._label, self._entry = monitor, (number, description), entry
         if self._done and entry is not None:  # finished as it was issued (a world of one)

@@ -5,7 +5,7 @@ average and hands back a ``Handle`` (async) or waits; implementations provide th
 primitives.
 
 Reduce ops are a capability (a backend's ``native_avg``): NCCL and HCCL implement ReduceOp.AVG
-(torch_npu's ProcessGroupHCCL sums, then divides on its stream; see ``backends/npu.py``); where the
+(torch_npu's ProcessGroupHCCL sums, then divides on its stream; see ``backends/devices/npu.py``); where the
 process group has none (gloo, MPS, torch_xla) the average is a SUM followed by a divide, done when
 the handle is waited on.
 
@@ -31,8 +31,8 @@ from typing import Literal, overload
 
 import torch
 
-from ..flight_recorder import FlightEntry, FlightRecorder
-from ..monitor import CollectiveMonitor
+from ..diagnostics.flight_recorder import FlightEntry, FlightRecorder
+from ..diagnostics.monitor import CollectiveMonitor
 from .accounting import CommCounter, _nbytes
 from .handle import IN_FLIGHT, Handle, _finished
 from .trace import CollectiveTrace
@@ -67,7 +67,7 @@ class Collectives:
     def __init__(self) -> None:
         self.counter = CommCounter()
         self.trace = CollectiveTrace()
-        #: the last collectives, with their times, written when the job fails (``flight_recorder.py``)
+        #: the last collectives, with their times, written when the job fails (``diagnostics/flight_recorder.py``)
         self.flight = FlightRecorder()
         self._entry: FlightEntry | None = None
         #: collectives issued by this process, ever (numbers them for the hang diagnosis)

@@ -1,7 +1,7 @@
 """``DistCollectives``: collectives over a torch.distributed process group (gloo, nccl, hccl).
 
 Options choose, per operation, the fastest way a process group can do the job (gloo's own
-reduce-scatter and all-gather are slow; see ``backends/cpu.py`` and ``benchmarks/collectives_gloo.py``):
+reduce-scatter and all-gather are slow; see ``backends/devices/cpu.py`` and ``benchmarks/collectives_gloo.py``):
 the reduce-scatter forms (``REDUCE_SCATTER_FORMS``), all-gather as broadcasts, and, for the list forms,
 each large tensor moved in place while the small ones travel packed (``PACK_BELOW_BYTES``), whose cost
 on gloo is the round trip of an operation, not their bytes. ``verify_same_collectives`` compares the
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import CollectiveMismatchError
-from ..monitor import CollectiveMonitor
+from ..diagnostics.monitor import CollectiveMonitor
 from .accounting import _nbytes
 from .agreement import CollectiveAgreement, check_every_step
 from .handle import Handle, Output
@@ -90,7 +90,7 @@ class DistCollectives(Collectives):
     Args:
         native_avg: the process group implements ReduceOp.AVG; otherwise SUM then divide.
         reduce_scatter_form: how a reduce-scatter is done (``REDUCE_SCATTER_FORMS``; see
-            ``backends/cpu.py`` for the CPU backend's choice, and why):
+            ``backends/devices/cpu.py`` for the CPU backend's choice, and why):
             ``"native"``, the process group's own reduce-scatter; ``"all_reduce"``, an all-reduce of
             the whole input and a copy of this rank's slice (it moves an all-reduce's bytes: at stage 3
             a step then sends 4 psi where 3 psi is the logical figure); ``"reduce"``, one ``reduce``

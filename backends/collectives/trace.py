@@ -13,7 +13,7 @@ import zlib
 from collections import deque
 from typing import Any
 
-from ..monitor import MISMATCH_HINT
+from ..diagnostics.monitor import MISMATCH_HINT
 
 
 class CollectiveTrace:

@@ -85,9 +85,9 @@ MUTANTS = (
            "xshard/checkpoint/async_save.py",
            "        synchronize()  # the copies from the device are complete before training changes the tensors\n",
            "        pass\n", ("tests/test_checkpoint_async_device_sync.py",)),
-    Mutant("xla-avg-sum", "XLA: AVG without its divide (gradients x world)", "backends/xla_collectives.py",
+    Mutant("xla-avg-sum", "XLA: AVG without its divide (gradients x world)", "backends/collectives/xla_graph.py",
            XLA_DIVIDE, XLA_DIVIDE.replace("div_(self.world_size)", "div_(1)"), XLA_PARITY, xla=True),
-    Mutant("xla-avg-halve", "XLA: AVG divided twice (gradients / world)", "backends/xla_collectives.py",
+    Mutant("xla-avg-halve", "XLA: AVG divided twice (gradients / world)", "backends/collectives/xla_graph.py",
            XLA_DIVIDE, XLA_DIVIDE.replace("div_(self.world_size)", "div_(self.world_size ** 2)"), XLA_PARITY,
            xla=True),
 )

@@ -22,7 +22,7 @@ def _compiles(world_size: int) -> int:
     """The process's compilation count, read by every replica between the same two barriers."""
     import torch_xla.debug.metrics as met
 
-    from xshard.backends import replica_threads
+    from xshard.backends.collectives import replica_threads
 
     replica_threads.align(world_size)
     data = met.metric_data("CompileTime")

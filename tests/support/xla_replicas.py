@@ -44,7 +44,7 @@ def run_command(cmd: list[str], env: dict[str, str], timeout: float = 270) -> su
 
 
 def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
-    from xshard.backends.xla import cpu_replicas_env
+    from xshard.backends.devices.xla import cpu_replicas_env
 
     with tempfile.TemporaryDirectory() as outdir:
         torch.save(args, Path(outdir) / "args.pt")

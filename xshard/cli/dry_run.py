@@ -4,7 +4,7 @@
     xshard launch --dry-run --nnodes 16 --nproc 8 --device-memory 64GB --config ds_config.json train.py
 
 runs ``train.py`` once, as rank 0 (``--dry_run_rank``) of 1,024, on this host's CPU over torch's fake process
-group (``backends/fake_group.py``), through ``prepare`` and ``--dry_run_steps`` optimizer steps (2). It prints the
+group (``backends/devices/dry_run_backend.py``), through ``prepare`` and ``--dry_run_steps`` optimizer steps (2). It prints the
 sharding plan (units and the bytes each gathers, hybrid groups), the state this rank holds, the collectives
 of one step (calls and bytes per kind) and the files a checkpoint would have this rank write, and exits 1 when the job cannot
 start at that size: the script failed there (a hybrid group that does not divide the world, say: its error
@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from xshard.backends import DRY_RUN, ENV_VAR
-from xshard.backends.dry_run_settings import DEVICE_MEMORY_ENV, REPORT_ENV, STEPS_ENV
-from xshard.backends.fake_group import register
+from xshard.backends.devices.dry_run_backend import register
+from xshard.backends.devices.dry_run_settings import DEVICE_MEMORY_ENV, REPORT_ENV, STEPS_ENV
 from xshard.backends.launchers import LaunchError, LaunchRequest
 from xshard.backends.world import DEFAULT_MASTER_ADDR
 from xshard.estimate import USABLE_FRACTION

@@ -347,9 +347,9 @@ def launch(opts: LaunchOptions) -> int:
 
 
 def flight_records_dir(child_env: dict[str, str], env: Mapping[str, str]) -> Path:
-    """The folder the job's ranks write their flight records to (``backends/flight_recorder.py``): the user's
+    """The folder the job's ranks write their flight records to (``backends/diagnostics/flight_recorder.py``): the user's
     ``XSHARD_FLIGHT_DIR``, else one of this launch's own in the temporary directory, set for the children."""
-    from xshard.backends.flight_recorder import DIR_ENV
+    from xshard.backends.diagnostics.flight_recorder import DIR_ENV
 
     if env.get(DIR_ENV):
         return Path(env[DIR_ENV])
@@ -480,7 +480,7 @@ def run(args: argparse.Namespace) -> int:
     """Run `xshard launch` (or its dry run); returns the job's exit code."""
     if args.dry_run:
         from xshard.backends import DRY_RUN
-        from xshard.backends.fake_group import register
+        from xshard.backends.devices.dry_run_backend import register
         from xshard.cli.dry_run import DryRunOptions, dry_run
         from xshard.estimate import EstimateError, parse_memory
 

@@ -1,5 +1,5 @@
 """What a dry run reports (``xshard launch --dry-run``): the plan, the state and the collectives of ONE rank of
-the target job, measured in this process over torch's fake process group (``backends/fake_group.py``).
+the target job, measured in this process over torch's fake process group (``backends/devices/dry_run_backend.py``).
 
 The job's ``DryRunReport`` watches its optimizer steps (``JobState.step_observers``). At the end of the
 run's last step (``XSHARD_DRY_RUN_STEPS``, 2 by default) it writes the report to ``XSHARD_DRY_RUN`` and ends
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..backends.dry_run_settings import DryRunSettings
+    from ..backends.devices.dry_run_settings import DryRunSettings
     from .job import JobState
 
 #: what a dry run cannot tell, said in every report

@@ -22,7 +22,7 @@ most models run them). A rank whose forward reaches units in another order (CLIP
 second registered, first) learns the order it saw: ranks that run the same units in the same order learn the
 same order in the same step, so they keep agreeing. What this cannot reconcile (a model whose order truly
 differs between ranks, a unit called a different number of times on different ranks) makes the ranks' collective
-sequences differ; the collective monitor names that within seconds (``backends/monitor.py``).
+sequences differ; the collective monitor names that within seconds (``backends/diagnostics/monitor.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A TCPStore client whose server is cut off (a node lost, a link down) does not fail: its ``get`` waits for
 the store's timeout, then for the answer to its cancel, which never comes; ``set`` and ``check`` wait for
 their answer the same way. Measured on two network namespaces with the link taken down: a ``get`` was still
-waiting 170 s later. So every store call of ``backends.monitor`` runs here: on one thread that serves them in
+waiting 170 s later. So every store call of ``backends.diagnostics.monitor`` runs here: on one thread that serves them in
 turn for the life of the store (``backends/call_thread.py`` says why not one a call), each waited for at most
 ``bound`` seconds. A call with no answer by then raises ``StoreUnreachable``, and so does every later call at
 once while it is still out; once it returns (the link came back), calls go through again. A call that fails
@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .call_thread import Call, CallThread
+from ..call_thread import Call, CallThread
 
 T = TypeVar("T")
 

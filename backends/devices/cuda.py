@@ -13,9 +13,9 @@ import sys
 
 import torch
 
-from .base import Backend
+from ..base import Backend
+from ..device import PeakTable
 from .bound_device import ask_bound_device
-from .device import PeakTable
 from .vendor import torch_release
 
 #: NVIDIA's and AMD's GPUs (ROCm builds of torch are torch.cuda too): dense figures (NVIDIA's sheets print bf16

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import DRY_RUN
+from .. import DRY_RUN
 from .cpu import CPUBackend
 from .dry_run_settings import DryRunSettings
 
@@ -52,7 +52,7 @@ class DryRunBackend(CPUBackend):
 
 def register() -> None:
     """Make ``XSHARD_BACKEND=dry_run`` selectable in this process (idempotent)."""
-    from . import names, register_backend
+    from .. import names, register_backend
 
     if DRY_RUN not in names():
         register_backend(DRY_RUN, f"{__name__}:DryRunBackend")

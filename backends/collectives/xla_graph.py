@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from .collectives import Collectives, Handle, SingleProcessCollectives
-from .collectives.handle import _finished
+from . import Collectives, Handle, SingleProcessCollectives
+from .handle import _finished
 
 #: xshard's reduce op -> torch_xla's reduce type name (xm.REDUCE_SUM == "sum", ...)
 _XLA_REDUCE = {"sum": "sum", "avg": "sum", "max": "max", "min": "min"}

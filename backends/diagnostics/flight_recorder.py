@@ -5,7 +5,7 @@ times it was issued, waited for and ended); the last ``XSHARD_FLIGHT_RECORDS`` (
 flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``) does this for NCCL alone; this one is the same on every
 backend, and it names collectives as xshard does ("all-gather of unit layers.3").
 
-When the records are written (``backends.monitor``, which holds each job's recorder): a wait that fails (a
+When the records are written (``backends.diagnostics.monitor``, which holds each job's recorder): a wait that fails (a
 timeout, a lost peer) or that passes the hang deadline, and a script that ends with an exception, write this
 rank's records and ask every other rank, through the job's key-value store, to write theirs (each rank's
 monitor thread looks for the request every 2 s, so a rank stuck in its own code, or blocked in a

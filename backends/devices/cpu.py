@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .base import Backend
+from ..base import Backend
 
 
 class CPUBackend(Backend):

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
-    from .base import Backend
+    from ..base import Backend
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """What a dry run asks of a job (``xshard launch --dry-run``): where its report goes, how many optimizer steps it
 takes, the target device's memory. Set by ``xshard.cli.dry_run`` in the environment of the one process it
-starts; read through ``Backend.dry_run()``, which only the dry run's backend (``fake_group.py``) answers."""
+starts; read through ``Backend.dry_run()``, which only the dry run's backend (``dry_run_backend.py``) answers."""
 
 from __future__ import annotations
 

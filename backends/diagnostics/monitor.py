@@ -20,7 +20,7 @@ sockets) and unreachable when none did (its node is down or cut off). The error 
 debugger stopped is named stopped, wherever its entry says it is. A rank never lists itself.
 
 The diagnosis never waits on the store it diagnoses: a store cut off from this host answers nothing,
-ever (``backends/bounded_store.py``), so each store call gives up after a bound (a fifth of the timeout,
+ever (``backends/diagnostics/bounded_store.py``), so each store call gives up after a bound (a fifth of the timeout,
 2 to 10 s), and a store that gave no answer is named unreachable, with the ranks of the other nodes
 (their hosts were read at the start).
 
@@ -41,7 +41,7 @@ waits; a wait that ended meanwhile is published without it.
 Cost: the main thread only stores a small tuple (and its thread's id) when a wait starts and ends; a daemon thread
 publishes it about once a second when it changed (and a heartbeat every few seconds) and checks the
 deadline; a second one makes the store calls. No store traffic happens on the training path, and no
-thread starts or ends while the job trains (a fork then could hang: ``backends/bounded_store.py``).
+thread starts or ends while the job trains (a fork then could hang: ``backends/diagnostics/bounded_store.py``).
 
 Lifetime: a process may hold several monitors (a Trainer script's arguments and its Accelerator each
 have a backend, and the one that did not form the group runs the collectives). Leaving the group stops
@@ -65,7 +65,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import leave_for_the_launcher
+from ...errors import leave_for_the_launcher
 from .bounded_store import BoundedStore, StoreFailed, StoreUnreachable
 from .flight_recorder import FlightRecorder
 

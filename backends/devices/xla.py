@@ -25,12 +25,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import replica_threads
-from .base import Backend
-from .collectives import Collectives
-from .device import PeakTable, StepPatch, World, cpu_process_bound
-from .launchers.xla import XLALauncher, cpu_replicas_env
-from .xla_collectives import XLACollectives, XLASingleReplicaCollectives, xla_model
+from ..base import Backend
+from ..collectives import Collectives, replica_threads
+from ..collectives.xla_graph import XLACollectives, XLASingleReplicaCollectives, xla_model
+from ..device import PeakTable, StepPatch, World, cpu_process_bound
+from ..launchers.xla import XLALauncher, cpu_replicas_env
 
 __all__ = ["XLABackend", "cpu_replicas_env", "install_hint", "sync_graph", "tpu_detected"]
 

@@ -16,8 +16,8 @@ import logging
 
 import torch
 
-from .base import Backend, World
-from .launchers.single import SingleLauncher
+from ..base import Backend, World
+from ..launchers.single import SingleLauncher
 
 log = logging.getLogger("xshard.backends")
 

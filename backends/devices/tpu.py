@@ -44,13 +44,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from ..errors import BackendUnavailableError
-from .base import Backend, World
+from ...errors import BackendUnavailableError
+from ..base import Backend, World
 from .vendor import AUTOLOAD_ENV, import_vendor, torch_release
 from .xla import TPU_PEAK_TFLOPS
 
 if TYPE_CHECKING:
-    from .launchers import Launcher
+    from ..launchers import Launcher
 
 T = TypeVar("T")
 
@@ -192,7 +192,7 @@ class TPUBackend(Backend):
     # ------------------------------------------------------------------ launching
     def launcher(self) -> Launcher:
         """torchrun, after TorchTPU's launch environment is set in the launching process."""
-        from .launchers.tpu import TPULauncher
+        from ..launchers.tpu import TPULauncher
 
         return TPULauncher(self)
 

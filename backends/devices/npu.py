@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from ..errors import BackendUnavailableError
-from .base import Backend, World
+from ...errors import BackendUnavailableError
+from ..base import Backend, World
+from ..device import PeakTable
 from .bound_device import ask_bound_device
-from .device import PeakTable
 from .vendor import AUTOLOAD_ENV, import_vendor, torch_release
 
 #: a pip requirement that matches torch-npu X.Y.Z and its X.Y.Z.postN rebuilds
