@@ -115,7 +115,10 @@ def report_uncaught_in_one_line(environ: Mapping[str, str] = os.environ) -> None
             previous(kind, error, tb)
             return
         leave_for_the_launcher(error, environ=environ)
-        print(f"xshard: error: {error}", file=sys.stderr, flush=True)
+        # one write of the whole line: the ranks share the launcher's stderr, and print() writes the message and
+        # its newline apart, so two ranks' lines could run together
+        sys.stderr.write(f"xshard: error: {error}\n")
+        sys.stderr.flush()
         # the hooks below still run (launch_marker's: the mark of a failure in xshard's code, read from the
         # traceback), but what they print, Python's own traceback at the end of the chain, is not shown
         shown, sys.stderr = sys.stderr, open(os.devnull, "w")  # noqa: SIM115 (closed below)
