@@ -49,6 +49,26 @@ class World:
         if self.num_nodes < 0:
             object.__setattr__(self, "num_nodes", max(1, self.world_size // per_node))
 
+    @property
+    def is_main_process(self) -> bool:
+        """True on global rank 0 (the process that logs, saves and reports)."""
+        return self.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """True on local rank 0 of each node (the process that writes a node's local files)."""
+        return self.local_rank == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        """True on the highest global rank."""
+        return self.rank == self.world_size - 1
+
+    @property
+    def use_distributed(self) -> bool:
+        """True when the job has more than one process."""
+        return self.world_size > 1
+
     def describe(self) -> str:
         """One line: the environment and what it gives."""
         if self.environment == "single":

@@ -59,10 +59,13 @@ def test_each_process_prints_a_bad_config_of_the_script_once_without_a_traceback
            "HYBRID_SHARD (3 within each node), _HYBRID_SHARD_ZERO2 (2 within each node) [set by: stage from stage in " \
            f"{config}]"
     lines = _errors(done.stderr)
-    assert lines.count(f"xshard: error: {said}") == 2, done.stderr  # once per process
+    # once per process that reached it: the launcher stops the other rank when the first fails, and that rank
+    # may be stopped before its own line (measured in CI: 1 line or 2, never a line broken or doubled)
+    printed = lines.count(f"xshard: error: {said}")
+    assert printed in (1, 2), done.stderr
     last = [line for line in lines if line.startswith("xshard launch: rank")]
     assert len(last) == 1 and f"(XShardConfigError: {said})" in last[0], done.stderr
-    assert len(lines) == 3, done.stderr
+    assert len(lines) == printed + 1, done.stderr
 
 
 def test_the_python_api_still_raises_the_error(tmp_path: Path) -> None:

@@ -144,8 +144,8 @@ def run(args: argparse.Namespace) -> int:
             report["checks_passed"] = not failed
         print(json.dumps(report, indent=2, default=str))
     else:
-        prefix = f"[rank {backend.world.rank}] " if backend.world.world_size > 1 else ""
-        if not prefix or backend.world.rank == 0:
+        prefix = f"[rank {backend.world.rank}] " if backend.world.use_distributed else ""
+        if not prefix or backend.world.is_main_process:
             print(format_report(report))
         if results is not None:
             print(format_checks(results, prefix))

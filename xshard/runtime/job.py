@@ -153,22 +153,22 @@ class JobState:
     @property
     def is_main_process(self) -> bool:
         """True on global rank 0."""
-        return self.rank == 0
+        return self.backend.world.is_main_process
 
     @property
     def is_local_main_process(self) -> bool:
         """True on local rank 0 of each node."""
-        return self.local_rank == 0
+        return self.backend.world.is_local_main_process
 
     @property
     def is_last_process(self) -> bool:
         """True on the highest global rank."""
-        return self.rank == self.world_size - 1
+        return self.backend.world.is_last_process
 
     @property
     def use_distributed(self) -> bool:
         """True when the job has more than one process."""
-        return self.world_size > 1
+        return self.backend.world.use_distributed
 
     @property
     def timeout(self) -> float | None:
@@ -184,7 +184,7 @@ class JobState:
 
     def barrier(self) -> None:
         """Every rank waits until all reach this point."""
-        if self.world_size > 1:
+        if self.use_distributed:
             self.backend.collectives.barrier()
 
     # ------------------------------------------------------------------ the step

@@ -111,19 +111,19 @@ class XShardDistributedState:
 
     @property
     def is_main_process(self) -> bool:
-        return self.process_index == 0
+        return self.backend.world.is_main_process
 
     @property
     def is_local_main_process(self) -> bool:
-        return self.local_process_index == 0
+        return self.backend.world.is_local_main_process
 
     @property
     def is_last_process(self) -> bool:
-        return self.process_index == self.num_processes - 1
+        return self.backend.world.is_last_process
 
     @property
     def use_distributed(self) -> bool:
-        return self.num_processes > 1
+        return self.backend.world.use_distributed
 
     @property
     def device(self) -> torch.device:
@@ -258,7 +258,7 @@ class TrainingArgumentsMixin(_ArgumentsHost):
         backend = self.distributed_state.backend
         if wanted is None or backend.supports(torch_dtype(wanted)):
             return
-        if backend.world.rank == 0:
+        if backend.world.is_main_process:
             hint = " (--fp16 gives mixed precision here)" if wanted == "bf16" and backend.supports(torch.float16) else ""
             warnings.warn(f"--{wanted} was asked for, but the {backend.name} backend cannot compute in "
                           f"{torch_dtype(wanted)} on {backend.device()}: training in fp32 instead{hint}",
