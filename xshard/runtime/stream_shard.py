@@ -4,7 +4,7 @@
   (``dataset.shard(num_shards=W, index=rank)``: contiguous blocks of its shards): each rank reads only its own
   files. Its ranks may end
   at different steps, so the prepared loader goes on while any rank has a batch, a rank whose part ended
-  reading its first batch again (``ShardedDataLoader``'s ``exchange_counts``; ``gather_for_metrics`` drops
+  reading its first batch again (``ShardedDataLoader._next`` asks ``LoaderAgreement.every_process_count``; ``gather_for_metrics`` drops
   those repeats): no rank waits alone in a collective, and every sample is read.
 - Any other stream is read by every rank and cut into windows of one global batch (``batch_size`` times
   the world size, or ``batch_size`` with ``split_batches``): rank ``r`` keeps the ``r``-th slice of each
