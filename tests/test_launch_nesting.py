@@ -87,5 +87,7 @@ def test_xshard_launch_run_by_a_jobs_process_is_refused_and_the_job_ends(tmp_pat
     done = run_job([*XSHARD, "--nproc", "2", str(outer)], timeout=120, cwd=tmp_path, env=_env())
     assert done.returncode != 0 and time.monotonic() - started < 90
     refusals = [line for line in done.stderr.splitlines() if "started inside a running job" in line]
-    assert len(refusals) == 2, done.stderr  # one a process of the outer job
+    # one from each process of the outer job that reached it: the launcher stops the other rank when the first
+    # fails, and that rank may be stopped before its own refusal (measured in CI: 1 line, with the stop named)
+    assert len(refusals) == 2 or (len(refusals) == 1 and "was stopped" in done.stderr), done.stderr
     assert "inner ran" not in done.stdout
