@@ -118,6 +118,32 @@ def world2(request, _parity_world2_results):
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
+    """With ``--durations``, the files that cost the run most (setup, call and teardown summed): where
+    folding tests into fewer jobs pays. Then the vendor releases the conformance checks ran against."""
+    if terminalreporter.config.getoption("durations", None) is not None:
+        _slowest_files(terminalreporter)
+    _vendor_releases(terminalreporter)
+
+
+def _slowest_files(terminalreporter, shown: int = 15) -> None:
+    seconds: dict[str, float] = {}
+    tests: dict[str, set[str]] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            nodeid, duration = getattr(r, "nodeid", ""), getattr(r, "duration", None)
+            if "::" in nodeid and duration is not None:
+                path = nodeid.split("::", 1)[0]
+                seconds[path] = seconds.get(path, 0.0) + duration
+                tests.setdefault(path, set()).add(nodeid)
+    if not seconds:
+        return
+    total = sum(seconds.values())
+    terminalreporter.write_sep("=", f"slowest {min(shown, len(seconds))} files of {len(seconds)} ({total:.0f} s in all)")
+    for path, spent in sorted(seconds.items(), key=lambda item: -item[1])[:shown]:
+        terminalreporter.write_line(f"{spent:8.1f}s {100 * spent / total:5.1f}%  {len(tests[path]):4d} tests  {path}")
+
+
+def _vendor_releases(terminalreporter) -> None:
     """Name the vendor releases the conformance checks ran against (tests/test_vendor_conformance.py;
     the support matrix in docs/backends.md records them)."""
     ran = [r for reports in terminalreporter.stats.values() for r in reports
