@@ -7,9 +7,14 @@ that worker's traceback; a hung job fails after ``timeout`` seconds instead of h
 every worker's Python stacks from shortly before the deadline (where each one was waiting).
 ``fn`` must be a module-level function (it is pickled by reference).
 
-The processes come from a fork server (``CONTEXT``) that imported torch and xshard once for the
-whole session: a rank starts without the ~1.6 s of CPU that importing them costs, which over the
-suite's hundreds of ranks on a 2-core machine is minutes. Each rank is still a new process with no
+The processes come from a fork server (``CONTEXT``) that imported torch, ``torch._dynamo`` and xshard
+once for the whole session: a rank starts without the ~1.6 s of CPU that importing torch costs, nor the
+~2 s of ``torch._dynamo``, which torch imports at a rank's first optimizer (``Optimizer.add_param_group``
+is ``torch._disable_dynamo``d) or first model (xshard's hooks are ``torch.compiler.disable``d): over the
+suite's hundreds of ranks on a 2-core machine that is minutes (measured: tests/test_checkpoint.py,
+test_checkpoint_portable.py and test_semantics_users.py together, 82-92 s without ``torch._dynamo`` in
+the server, 45 s with it). Neither starts a thread, so the fork is safe; transformers is not preloaded
+(its import starts one). Each rank is still a new process with no
 process group, no threads and no state from earlier tests (the server forks before anything runs),
 and it takes the parent's environment as it is at the call (a fork server's children would otherwise
 see the environment of the moment the server started). Like every forked multiprocessing child, a rank
@@ -37,7 +42,7 @@ from support.deadline import fit
 #: where every test world's processes come from (see the module docstring)
 START_METHOD = "forkserver"
 CONTEXT = multiprocessing.get_context(START_METHOD)
-CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "xshard"])
+CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "xshard"])
 
 
 def free_port() -> int:
