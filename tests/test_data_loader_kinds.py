@@ -13,6 +13,10 @@ process reading its own share: ``dispatch_batches=False``):
 - a run saved after 3 steps (mid-epoch) and resumed (with 2 workers for the map-style loaders) reads
   exactly the batches of the uninterrupted run from there on and computes its losses;
 - resumed on 1 process, it reads the rest of the epoch's order from where the 2 processes stopped.
+
+The kinds share their jobs: Accelerate's run, xshard's run and xshard's resumed run each train every kind one
+after the other in one launch (the script gives each kind a fresh Accelerator, seed and model), so the file
+starts 6 jobs rather than 27.
 """
 
 from __future__ import annotations
@@ -39,25 +43,42 @@ def _flat(rows: list[list[float]]) -> list[float]:
     return [v for row in rows for v in row]
 
 
-def _run(launcher: list[str], accelerator: str, cwd: Path, *args: str) -> dict:
+KINDS = ["length_grouped", "weighted", "batch_sampler", "generator", "shuffle", "stream", "datasets"]
+
+
+def _run(launcher: list[str], accelerator: str, cwd: Path, kinds: list[str], *args: str) -> dict[str, dict]:
+    """Run the script for ``kinds`` in one job; each kind's results by kind."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
     env.update(ACCELERATOR=accelerator, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     if accelerator == "accelerate":
         env["ACCELERATE_USE_CPU"] = "true"
-    proc = run_job([*launcher, str(SCRIPT), *args], timeout=240, cwd=cwd, env=env)
+    proc = run_job([*launcher, str(SCRIPT), "--kind", ",".join(kinds), *args], timeout=240, cwd=cwd, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == 1, proc.stdout[-2000:]
-    return json.loads(lines[0][len("RESULT "):])
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            kind, payload = line[len("RESULT "):].split(" ", 1)
+            assert kind not in results, proc.stdout[-2000:]
+            results[kind] = json.loads(payload)
+    assert sorted(results) == sorted(kinds), proc.stdout[-2000:]
+    return results
 
 
-@pytest.mark.parametrize("kind", ["length_grouped", "weighted", "batch_sampler", "generator", "shuffle", "stream",
-                                  "datasets"])
-def test_each_loader_kind_gives_accelerates_steps_and_resumes_mid_epoch(tmp_path, kind):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, dict, dict, Path]:
+    """Accelerate's run, xshard's (saved after step 3 into ``xs/KIND/state``) and xshard's resumed one, every
+    kind in each job; and the folder they ran in."""
+    folder = tmp_path_factory.mktemp("loader_kinds")
     reference, ours = side_by_side(
-        lambda: _run(TORCHRUN, "accelerate", tmp_path, "--kind", kind),
-        lambda: _run(XSHARD, "xshard", tmp_path, "--kind", kind, "--save_at", "3", "--output_dir", "xs"))
+        lambda: _run(TORCHRUN, "accelerate", folder, KINDS),
+        lambda: _run(XSHARD, "xshard", folder, KINDS, "--save_at", "3", "--output_dir", "xs"))
+    resumed = _run(XSHARD, "xshard", folder, KINDS, "--resume", str(folder / "xs"), "--workers", "0")
+    return reference, ours, resumed, folder
 
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_loader_kind_gives_accelerates_steps_and_resumes_mid_epoch(runs, kind):
+    reference, ours, resumed = (run[kind] for run in runs[:3])
     assert len(ours["losses"]) == len(reference["losses"]) == 12  # 2 epochs of 6 steps
     assert ours["read"] == reference["read"]
     assert _flat(ours["losses"]) == pytest.approx(_flat(reference["losses"]), rel=1e-5, abs=1e-7)
@@ -67,8 +88,6 @@ def test_each_loader_kind_gives_accelerates_steps_and_resumes_mid_epoch(tmp_path
         read = [i for step in ours["read"][:6] for i in step]
         assert len(read) == 48 and (kind == "weighted" or sorted(read) == list(range(48)))
 
-    resumed = _run(XSHARD, "xshard", tmp_path, "--kind", kind, "--resume", str(tmp_path / "xs" / "state"),
-                   "--workers", "0")
     assert resumed["read"] == ours["read"][3:]
     assert _flat(resumed["losses"]) == pytest.approx(_flat(ours["losses"][3:]), rel=1e-5, abs=1e-7)
 
@@ -79,17 +98,16 @@ def test_each_loader_kind_gives_accelerates_steps_and_resumes_mid_epoch(tmp_path
     "); measured on 3.11.7: 2 of 6 full-suite runs, 2 hung workers in 164 resumed runs under load, each stuck "
     "there (gdb); binding on 3.11.10 and later"))
 @pytest.mark.parametrize("kind", ["weighted", "generator"])
-def test_a_resumed_loader_with_two_workers_reads_the_uninterrupted_batches(tmp_path, kind):
-    ours = _run(XSHARD, "xshard", tmp_path, "--kind", kind, "--save_at", "3", "--output_dir", "xs")
-    resumed = _run(XSHARD, "xshard", tmp_path, "--kind", kind, "--resume", str(tmp_path / "xs" / "state"),
-                   "--workers", "2")
+def test_a_resumed_loader_with_two_workers_reads_the_uninterrupted_batches(runs, tmp_path, kind):
+    ours, folder = runs[1][kind], runs[3]
+    resumed = _run(XSHARD, "xshard", tmp_path, [kind], "--resume", str(folder / "xs"), "--workers", "2")[kind]
     assert resumed["read"] == ours["read"][3:]
     assert _flat(resumed["losses"]) == pytest.approx(_flat(ours["losses"][3:]), rel=1e-5, abs=1e-7)
 
 
-def test_a_run_saved_on_2_processes_resumes_on_1_where_the_order_stopped(tmp_path):
-    ours = _run(XSHARD, "xshard", tmp_path, "--kind", "generator", "--save_at", "3", "--output_dir", "xs")
-    resumed = _run(XSHARD_1, "xshard", tmp_path, "--kind", "generator", "--resume", str(tmp_path / "xs" / "state"))
+def test_a_run_saved_on_2_processes_resumes_on_1_where_the_order_stopped(runs, tmp_path):
+    ours, folder = runs[1]["generator"], runs[3]
+    resumed = _run(XSHARD_1, "xshard", tmp_path, ["generator"], "--resume", str(folder / "xs"))["generator"]
     # each of the 2 processes' steps read 2 batches of the order (rank 0's, then rank 1's); 1 process reads 1
     assert _flat(resumed["read"]) == _flat(ours["read"][3:])
     assert len(resumed["read"]) == 2 * len(ours["read"][3:])

@@ -1,7 +1,7 @@
 """A training script fed by the loaders real programs build; only the imports differ (``ACCELERATOR=xshard`` or
 ``accelerate``).
 
-    python loader_kinds_script.py --kind KIND [--workers N] [--save_at STEP --output_dir DIR] [--resume DIR]
+    python loader_kinds_script.py --kind KIND[,KIND...] [--workers N] [--save_at STEP --output_dir DIR] [--resume DIR]
 
 KIND: ``length_grouped`` (transformers' ``LengthGroupedSampler``), ``weighted`` (``WeightedRandomSampler``),
 ``batch_sampler`` (a bucketing batch sampler of the user's), ``generator`` (``shuffle=True`` with a seeded
@@ -12,8 +12,12 @@ shards); every other random order comes from a seeded ``torch.Generator``. Each 
 A small net with dropout trains 2 epochs; each step's loss of each process and the sample ids each process
 read are gathered (``accelerator.gather``: the gather order), then each epoch ends with an evaluation whose
 per-sample predictions and ids go through ``gather_for_metrics``. ``--save_at`` saves the state after that
-many steps (in the first epoch); ``--resume`` loads a saved state and goes on from where it was.
-Prints one ``RESULT {json}`` line on the main process.
+many steps (in the first epoch) in ``DIR/KIND/state``; ``--resume DIR`` loads ``DIR/KIND/state`` and goes on
+from where it was. Prints one ``RESULT KIND {json}`` line per kind on the main process.
+
+Several kinds run one after the other in one job (one launch instead of one per kind, as the suite runs them):
+each kind builds its own Accelerator, seeds with ``set_seed(0)`` and builds its model and loaders afresh, so
+it trains as it would in a process of its own; the job ends (``end_training``) after the last.
 """
 
 from __future__ import annotations
@@ -104,18 +108,10 @@ def loader(kind: str, n: int, seed: int, workers: int) -> DataLoader:
     return DataLoader(data, batch_sampler=Buckets(n, g), **common)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--kind", required=True)
-    parser.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--save_at", type=int, default=0)
-    parser.add_argument("--output_dir", default="out")
-    parser.add_argument("--resume", default=None)
-    parser.add_argument("--seedable", type=int, default=1, help="use_seedable_sampler (for --kind shuffle)")
-    args = parser.parse_args()
-
+def train(kind: str, args: argparse.Namespace) -> Accelerator:
+    """Train ``kind``'s loaders from a fresh seed; print its ``RESULT`` line; return its Accelerator."""
     # each process reads its own share (for the datasets stream: its shards, as xshard splits it by node)
-    seedable = bool(args.seedable) and args.kind == "shuffle"
+    seedable = bool(args.seedable) and kind == "shuffle"
     accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=False,
                                                                         use_seedable_sampler=seedable))
     set_seed(0)
@@ -125,15 +121,15 @@ def main() -> None:
     # round, evened by repeats that gather_for_metrics drops; for the datasets stream 40 (Accelerate's processes
     # would gather batches of unequal sizes at the end otherwise) and for the buckets 24 (Accelerate counts the
     # repeats it drops from the data set's length, which the buckets do not cover when they leave samples out)
-    train = loader(args.kind, 48, 1, args.workers)
-    evaluation = loader(args.kind, {"datasets": 40, "batch_sampler": 24}.get(args.kind, 37), 2,
-                        args.workers)
+    train = loader(kind, 48, 1, args.workers)
+    evaluation = loader(kind, {"datasets": 40, "batch_sampler": 24}.get(kind, 37), 2, args.workers)
     model, optimizer, train, evaluation = accelerator.prepare(model, optimizer, train, evaluation)
 
     step = 0
     if args.resume:
-        accelerator.load_state(args.resume)
-        with open(os.path.join(args.resume, "step.json")) as f:
+        saved = os.path.join(args.resume, kind, "state")
+        accelerator.load_state(saved)
+        with open(os.path.join(saved, "step.json")) as f:
             step = json.load(f)["step"]
     start_epoch, skip = divmod(step, 48 // (BATCH * accelerator.num_processes))  # a stream has no len()
 
@@ -150,7 +146,7 @@ def main() -> None:
             losses.append(accelerator.gather(loss.detach()[None]).tolist())
             read.append(accelerator.gather(ids).tolist())
             if step == args.save_at:
-                folder = os.path.join(args.output_dir, "state")
+                folder = os.path.join(args.output_dir, kind, "state")
                 accelerator.save_state(folder)
                 if accelerator.is_main_process:
                     with open(os.path.join(folder, "step.json"), "w") as f:
@@ -161,8 +157,22 @@ def main() -> None:
                 predictions += accelerator.gather_for_metrics(model(x).squeeze(-1)).tolist()
                 evaluated += accelerator.gather_for_metrics(ids).tolist()
     if accelerator.is_main_process:
-        print("RESULT " + json.dumps({"losses": losses, "read": read, "predictions": predictions,
-                                      "evaluated": evaluated}), flush=True)
+        print(f"RESULT {kind} " + json.dumps({"losses": losses, "read": read, "predictions": predictions,
+                                              "evaluated": evaluated}), flush=True)
+    return accelerator
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kind", required=True, help="one kind, or several separated by commas")
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--save_at", type=int, default=0)
+    parser.add_argument("--output_dir", default="out")
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--seedable", type=int, default=1, help="use_seedable_sampler (for --kind shuffle)")
+    args = parser.parse_args()
+    for kind in args.kind.split(","):
+        accelerator = train(kind, args)
     accelerator.end_training()
     if os.environ.get("ACCELERATOR") != "xshard":
         # The anchor's results are printed; its interpreter teardown is not what is compared, and Accelerate's
