@@ -37,16 +37,31 @@ def _dry(tmp_path: Path, *args: str, script_args: tuple[str, ...] = ()) -> tuple
     return done, json.loads(report.read_text()) if report.is_file() else {}
 
 
+@pytest.fixture(scope="module")
+def real_runs(tmp_path_factory):
+    """The real run of each (nproc, script_args), made once: the rank cases of one configuration share it."""
+    runs: dict[tuple, Path] = {}
+
+    def real(nproc: int, script_args: tuple[str, ...]) -> Path:
+        if (nproc, script_args) not in runs:
+            folder = tmp_path_factory.mktemp("real")
+            done = _launch("--nproc", str(nproc), str(SCRIPT), str(folder / "real"), *script_args, cwd=folder)
+            assert done.returncode == 0, done.stderr[-3000:]
+            runs[nproc, script_args] = folder / "real"
+        return runs[nproc, script_args]
+
+    return real
+
+
 @pytest.mark.parametrize(("nproc", "script_args", "rank"), [
     (2, ("--stage", "3"), 0),
     (2, ("--stage", "3"), 1),
     (2, ("--stage", "2"), 0),
     (4, ("--stage", "3", "--shard_group_size", "2"), 3),  # hybrid: sharded in pairs, averaged across them
 ])
-def test_the_dry_run_predicts_each_ranks_units_state_and_collectives(tmp_path, nproc, script_args, rank):
-    real = _launch("--nproc", str(nproc), str(SCRIPT), str(tmp_path / "real"), *script_args, cwd=tmp_path)
-    assert real.returncode == 0, real.stderr[-3000:]
-    measured = json.loads((tmp_path / "real" / f"rank{rank}.json").read_text())
+def test_the_dry_run_predicts_each_ranks_units_state_and_collectives(tmp_path, real_runs, nproc, script_args, rank):
+    real = real_runs(nproc, script_args)
+    measured = json.loads((real / f"rank{rank}.json").read_text())
 
     done, report = _dry(tmp_path, "--nproc", str(nproc), "--dry_run_rank", str(rank), script_args=script_args)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -61,7 +76,7 @@ def test_the_dry_run_predicts_each_ranks_units_state_and_collectives(tmp_path, n
     assert not (tmp_path / "dry" / "state").exists()  # the dry run ended before the script's first save
 
     # the files the real run's save_state (step 5) had this rank write: its .rank<R>. files, and rank 0 the rest
-    saved = tmp_path / "real" / "state"
+    saved = real / "state"
     written = {f.name: f.stat().st_size for f in saved.iterdir() if f.name != "xshard_state.json"
                and (f".rank{rank}." in f.name or (rank == 0 and ".rank" not in f.name))}
     planned = report["checkpoint_files"]
