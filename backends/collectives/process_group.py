@@ -2,9 +2,9 @@
 
 Options choose, per operation, the fastest way a process group can do the job (gloo's own
 reduce-scatter and all-gather are slow; see ``backends/devices/cpu.py`` and ``benchmarks/collectives_gloo.py``):
-the reduce-scatter forms (``REDUCE_SCATTER_FORMS``), all-gather as broadcasts, and, for the list forms,
-each large tensor moved in place while the small ones travel packed (``PACK_BELOW_BYTES``), whose cost
-on gloo is the round trip of an operation, not their bytes. ``verify_same_collectives`` compares the
+the reduce-scatter forms (``REDUCE_SCATTER_FORMS``), all-gather as broadcasts (on 2 ranks a send and a
+receive), and, for the list forms, each large tensor moved in place while the small ones travel packed
+(``PACK_BELOW_BYTES``), whose cost on gloo is the round trip of an operation, not their bytes. ``verify_same_collectives`` compares the
 ranks' traces: at the first optimizer step with one tiny all-reduce, later off the training path
 (``agreement.py``), the entries of a mismatch read through the job's key-value store.
 """
@@ -45,7 +45,7 @@ _LOCAL_REDUCE: dict[str, Callable[..., torch.Tensor]] = {"sum": torch.add, "max"
 #: small tensor costs on gloo is its operation (queued to gloo's threads, a message each way), not its
 #: bytes, and copying a few small pieces in and out of one buffer is cheap beside that. A transformer
 #: layer's biases and norms are such pieces: of a Qwen2 layer's 12 parameters, 5, so a stage-3 unit's
-#: gather on 2 ranks issues 16 broadcasts instead of 24 (benchmarks/RESULTS.md, "By model size").
+#: gather on 2 ranks issues 16 operations instead of 24 (benchmarks/RESULTS.md, "By model size").
 PACK_BELOW_BYTES = 64 * 2**10
 
 
@@ -158,12 +158,25 @@ class DistCollectives(Collectives):
         return Handle([work], output)
 
     def _broadcast_slices(self, output: torch.Tensor, input: torch.Tensor) -> list[Work | None]:
-        """All-gather as one broadcast per rank straight into ``output``'s slices (in place)."""
+        """All-gather as one broadcast per rank straight into ``output``'s slices (in place).
+
+        On 2 ranks each broadcast has one receiver, so it is a send and a receive: posted as
+        point-to-point operations they run in both directions at once, outside the queue of gloo's
+        collective threads. Alone, a gather takes the same time either way (benchmarks/collectives_gloo.py
+        at 0.125, 1 and 64 MiB); in a stage-3 step of many small units, where gathers follow one another
+        and overlap the reduces, the step takes about 0.9x the time (benchmarks/RESULTS.md, "Per-unit host
+        cost"). Messages between the two ranks match in the order they are posted, the same on both (as
+        for ``_exchange``).
+        """
         n = input.numel()
         flat = output.view(-1)
         mine = flat[self.rank * n:(self.rank + 1) * n]
         if not _same_memory(mine, input):
             mine.copy_(input.reshape(-1))
+        if self.world_size == 2:
+            peer = 1 - self.rank
+            return [dist.isend(mine, dst=self._global_ranks[peer], group=self.group),
+                    dist.irecv(flat[peer * n:(peer + 1) * n], src=self._global_ranks[peer], group=self.group)]
         return [dist.broadcast(flat[r * n:(r + 1) * n], src=self._global_ranks[r], group=self.group, async_op=True)
                 for r in range(self.world_size)]
 

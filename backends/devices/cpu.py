@@ -93,5 +93,6 @@ class CPUBackend(Backend):
         # (benchmarks/collectives_gloo.py, 64 MiB fp32 on 2 cores, ms; benchmarks/RESULTS.md): a
         # reduce-scatter by point-to-point exchange sends half the bytes of an all-reduce and its slice
         # (2 ranks: 30-34 against 57-61, gloo's own 95; 4 ranks: 89-90 against 124-125, gloo's own 196),
-        # and an all-gather as one broadcast per rank beats gloo's (35 against 75 on 2 ranks).
+        # and an all-gather as one broadcast per rank beats gloo's (35 against 75 on 2 ranks; there each
+        # broadcast is posted as a send and a receive: DistCollectives._broadcast_slices).
         return {"reduce_scatter_form": "exchange", "all_gather_via_broadcast": True}
