@@ -71,6 +71,13 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.data_ptr() == b.data_ptr() and b.is_contiguous())
 
 
+#: the point-to-point tag of a 2-rank all-gather's messages (``_exchange``'s have gloo's default, 0): a gather
+#: then matches only a gather, as its broadcasts did. Where ranks issue different collectives (one gathers
+#: while the other reduces), messages under one tag would meet a receive of another size, which gloo's
+#: transport thread answers with std::terminate; apart, they wait, and the collective monitor names the
+#: difference (tests/test_collectives_agreement.py).
+_GATHER_TAG = 1
+
 _DIST_OPS = {
     "sum": dist.ReduceOp.SUM,
     "avg": dist.ReduceOp.AVG,
@@ -166,7 +173,7 @@ class DistCollectives(Collectives):
         at 0.125, 1 and 64 MiB); in a stage-3 step of many small units, where gathers follow one another
         and overlap the reduces, the step takes about 0.9x the time (benchmarks/RESULTS.md, "Per-unit host
         cost"). Messages between the two ranks match in the order they are posted, the same on both (as
-        for ``_exchange``).
+        for ``_exchange``), under a tag of their own (``_GATHER_TAG``).
         """
         n = input.numel()
         flat = output.view(-1)
@@ -175,8 +182,9 @@ class DistCollectives(Collectives):
             mine.copy_(input.reshape(-1))
         if self.world_size == 2:
             peer = 1 - self.rank
-            return [dist.isend(mine, dst=self._global_ranks[peer], group=self.group),
-                    dist.irecv(flat[peer * n:(peer + 1) * n], src=self._global_ranks[peer], group=self.group)]
+            return [dist.isend(mine, dst=self._global_ranks[peer], group=self.group, tag=_GATHER_TAG),
+                    dist.irecv(flat[peer * n:(peer + 1) * n], src=self._global_ranks[peer], group=self.group,
+                               tag=_GATHER_TAG)]
         return [dist.broadcast(flat[r * n:(r + 1) * n], src=self._global_ranks[r], group=self.group, async_op=True)
                 for r in range(self.world_size)]
 
