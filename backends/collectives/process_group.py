@@ -4,9 +4,10 @@ Options choose, per operation, the fastest way a process group can do the job (g
 reduce-scatter and all-gather are slow; see ``backends/devices/cpu.py`` and ``benchmarks/collectives_gloo.py``):
 the reduce-scatter forms (``REDUCE_SCATTER_FORMS``), all-gather as broadcasts (on 2 ranks a send and a
 receive), and, for the list forms, each large tensor moved in place while the small ones travel packed
-(``PACK_BELOW_BYTES``), whose cost on gloo is the round trip of an operation, not their bytes. ``verify_same_collectives`` compares the
-ranks' traces: at the first optimizer step with one tiny all-reduce, later off the training path
-(``agreement.py``), the entries of a mismatch read through the job's key-value store.
+(``PACK_BELOW_BYTES``), whose cost on gloo is the round trip of an operation, not their bytes.
+``verify_same_collectives`` compares the ranks' traces: at the first optimizer step with one tiny
+all-reduce, later off the training path (``agreement.py``), the entries of a mismatch read through the
+job's key-value store.
 """
 
 from __future__ import annotations
