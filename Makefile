@@ -47,8 +47,12 @@ test: install vendor-wheels
 # The Trainer's tests on the lowest transformers pyproject allows (5.6.0, also LLaMA-Factory's cap), while .venv
 # holds the newest: that release and the hub and tokenizers it takes, installed beside .venv in .floor and put
 # first on the path (everything else is .venv's). XSHARD_TRANSFORMERS_FLOOR makes the tests check the version.
+# kernels: the newest transformers requires kernels 0.19, whose LayerRepository refuses the arguments 5.6.0
+# builds its hub-kernel table with at import ("Either a revision or a version must be specified"); 5.6.0
+# declares kernels >=0.12,<0.13.
 FLOOR := .floor
-FLOOR_PACKAGES := transformers==5.6.0 huggingface-hub==1.33.0 tokenizers==0.22.2 httpx==0.28.1 httpcore==1.0.9
+FLOOR_PACKAGES := transformers==5.6.0 huggingface-hub==1.33.0 tokenizers==0.22.2 httpx==0.28.1 httpcore==1.0.9 \
+    kernels==0.12.3
 $(FLOOR)/.installed: $(VENV)/.installed
 	rm -rf $(FLOOR)
 	$(BIN)/pip install --quiet --no-deps --target $(FLOOR) $(FLOOR_PACKAGES)
