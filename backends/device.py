@@ -101,6 +101,10 @@ class DeviceAPI:
     #: counts them: 0 where the process computes on the host's CPUs or on an XLA device (which transformers
     #: never wraps in DataParallel), 1 where it drives one accelerator (xshard runs one device per process)
     trainer_device_count: ClassVar[int] = 1
+    #: class fact: can the ``kernels`` library (transformers' hub kernels, which transformers 5.25 and newer
+    #: puts on a loaded model and applies again at every ``model.train()`` / ``eval()``) kernelize a model on
+    #: this device? False where it refuses the device type: ``prepare`` then turns them off for the model
+    runs_hub_kernels: ClassVar[bool] = True
     #: class fact: the published dense peak TFLOPS of this family's device models, looked up by ``device_name()``
     #: (the throughput report's MFU, ``xshard estimate --machine``); empty where none is published or the
     #: peak is measured (``measured_peak_tflops``)

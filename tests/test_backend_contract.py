@@ -30,6 +30,7 @@ CONTRACT = {
                "rng_state", "set_rng_state", "memory_stats", "reset_peak_memory_stats", "supports", "autocast",
                "grad_scaler", "checkpoint_wrapper", "wrap_dataloader", "mark_step", "optimizer_step",
                "optimizer_step_patch", "frees_storage_by_resize", "compiles_graphs", "pins_host_memory", "trainer_device_count",
+               "runs_hub_kernels",
                "host_buffer", "device_name", "free_memory", "empty_cache", "peak_tflops", "measured_peak_tflops",
                "accelerate_distributed_type"],
     "communication": ["init_process_group", "destroy_process_group", "collectives", "local_collectives",

@@ -64,6 +64,7 @@ from .runtime.compile import compile_prepared
 from .runtime.data import ShardedDataLoader, fork_may_deadlock, shard_data_loader
 from .runtime.device_peak import DevicePeak
 from .runtime.dry_run_report import DryRunReport
+from .runtime.hub_kernels import turn_off_hub_kernels
 from .runtime.job import JobState
 from .runtime.launch_marker import mark_accelerator_built
 from .runtime.mixed_precision import Precision
@@ -383,6 +384,8 @@ class Accelerator(AccelerateSurface, CheckpointMethods, GatherMethods):
             shard_model,
         )
 
+        if not self.backend.runs_hub_kernels:
+            turn_off_hub_kernels(model, self.backend.device_type)
         sharded = model if isinstance(model, ShardedModel) else shard_model(
             model, self.backend, self.sharding_options(model))
         self.job.models.append(sharded)

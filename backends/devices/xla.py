@@ -144,6 +144,8 @@ class XLABackend(Backend):
     #: the TPU generations (``device_name`` is the TPU VM's accelerator type)
     peak_tflops: ClassVar[PeakTable] = TPU_PEAK_TFLOPS
     trainer_device_count: ClassVar[int] = 0  # transformers' n_gpu on an XLA device
+    #: the kernels library knows TorchTPU's device type "tpu", not torch_xla's "xla" ("Unsupported device type")
+    runs_hub_kernels: ClassVar[bool] = False
     #: every new input shape is a new graph to compile
     compiles_graphs: ClassVar[bool] = True
 
