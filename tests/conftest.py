@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,12 +24,58 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def pytest_configure(config) -> None:
     """``XSHARD_REQUIRE_XLA=1`` (``make test-xla``): the environment must have torch_xla, whose absence would
-    otherwise skip every xla test (``pytest.importorskip``, the one skip the suite keeps for a package)."""
+    otherwise skip every xla test (``pytest.importorskip``, the one skip the suite keeps for a package). On an
+    xdist worker: torchrun's port of this worker (the note below)."""
     import importlib.util
 
     if os.environ.get("XSHARD_REQUIRE_XLA") == "1" and importlib.util.find_spec("torch_xla") is None:
         raise pytest.UsageError("XSHARD_REQUIRE_XLA=1: torch_xla is not installed in this environment, so every xla "
                                 "test would be skipped; build the XLA environment with `make install-xla`")
+    worker = _xdist_worker_index(config)
+    if worker is not None:
+        os.environ.setdefault("PET_MASTER_PORT", str(_TORCHRUN_DEFAULT_PORT + 1 + worker))
+
+
+# ---------------------------------------------------------------------------------------------- parallel runs
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadfile`). On 2 cores the serial suite
+# keeps the CPUs about two thirds busy: its tests mostly wait on the processes of the jobs they start.
+#  - A file's tests stay on one worker (`loadfile`), so a module's fixtures (a job shared by its tests) run
+#    once; and every file of the 2-rank parity cases goes to one worker, which runs their one shared job
+#    (`world2` trains every parity case of the session it sees: on two workers it would run twice).
+#  - Stock torchrun without `--standalone` or `--master_port` binds 29500 (the anchors run it as users do): each
+#    worker gives torchrun a port of its own through torchrun's own variable, PET_MASTER_PORT.
+_PARITY_GROUP = "the files of the shared 2-rank parity job (world2)"
+#: torchrun's default rendezvous port; worker N gives torchrun the port N above it
+_TORCHRUN_DEFAULT_PORT = 29500
+
+
+def _xdist_worker_index(config) -> int | None:
+    """This process's pytest-xdist worker number (``gw0`` -> 0), None outside a worker."""
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    return int(worker[2:]) if worker else None
+
+
+@functools.cache
+def _uses_parity_world(path: str) -> bool:
+    """Does the test file at ``path`` (relative to the root) take the shared parity job's ``world2`` fixture?"""
+    try:
+        return re.search(r"\bworld2\b", (ROOT / path).read_text()) is not None
+    except OSError:
+        return False
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the parity files as one unit (the note above); other modes are xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ParityFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return _PARITY_GROUP if _uses_parity_world(path) else path
+
+    return ParityFilesTogether(config, log)
 
 
 def _pytest_timeout(item: pytest.Item) -> float | None:
