@@ -11,6 +11,8 @@ no hub kernels (``Backend.runs_hub_kernels``), ``prepare`` turns them off with t
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from .rank_logging import get_logger
@@ -29,7 +31,8 @@ def turn_off_hub_kernels(model: nn.Module, device_type: str) -> bool:
     (transformers reads the device to kernelize for from ``_kernels_device`` first), whose forwards are the
     torch ones everywhere, then the model's own setting is put back.
     """
-    kernelized = [m for m in model.modules() if getattr(m, "use_kernels", False) is True]
+    # transformers' PreTrainedModel members, which nn.Module's type does not declare
+    kernelized: list[Any] = [m for m in model.modules() if getattr(m, "use_kernels", False) is True]
     for m in kernelized:
         had = "_kernels_device" in m.__dict__
         before = m.__dict__.get("_kernels_device")
