@@ -37,14 +37,16 @@ demo-minimal: install
 
 # Everything: ruff, the whole suite in .venv (tests/README.md maps features to files), the Trainer's tests on the
 # lowest transformers pyproject allows (test-floor), then the XLA tests.
-# The main half runs on PYTEST_WORKERS pytest-xdist workers (tests/conftest.py keeps a file's tests on one
-# worker and gives each worker's torchrun a port): on 2 cores the serial suite keeps the CPUs about 67% busy
-# (its tests wait on the jobs they start), two workers about 91%. PYTEST_WORKERS=0 runs it in one process.
+# Each half runs on PYTEST_WORKERS pytest-xdist workers (tests/conftest.py keeps a file's tests on one worker
+# and gives each worker's torchrun a port): on 2 cores the serial main half keeps the CPUs about 67% busy (its
+# tests wait on the jobs they start), two workers about 92%; the XLA half compiles on one core at a time.
+# PYTEST_WORKERS=0 runs each half in one process.
 PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 test: install vendor-wheels
 	$(BIN)/ruff check .
 	$(MAKE) --no-print-directory typecheck
-	$(VENDOR_ENV) $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=25
+	$(VENDOR_ENV) $(BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=25
 	$(MAKE) --no-print-directory test-floor
 	$(MAKE) --no-print-directory test-xla
 
@@ -63,7 +65,7 @@ $(FLOOR)/.installed: $(VENV)/.installed
 	touch $@
 
 test-floor: $(FLOOR)/.installed
-	PYTHONPATH=$(FLOOR) XSHARD_TRANSFORMERS_FLOOR=5.6.0 $(BIN)/python -m pytest -q tests/test_trainer.py \
+	PYTHONPATH=$(FLOOR) XSHARD_TRANSFORMERS_FLOOR=5.6.0 $(BIN)/python -m pytest -q $(PYTEST_PARALLEL) tests/test_trainer.py \
 	    tests/test_trainer_arguments.py tests/test_trainer_floor.py
 
 # The single-process tests: everything but the tests marked `multiprocess` (they start jobs of several
@@ -142,7 +144,7 @@ install-xla: $(XLA_VENV)/.installed
 
 # XSHARD_REQUIRE_XLA=1: an environment without torch_xla is an error here, not a run of skipped tests.
 test-xla: install-xla
-	PJRT_DEVICE=CPU XSHARD_REQUIRE_XLA=1 $(XLA_BIN)/python -m pytest -q --durations=10 -m xla tests
+	PJRT_DEVICE=CPU XSHARD_REQUIRE_XLA=1 $(XLA_BIN)/python -m pytest -q $(PYTEST_PARALLEL) --durations=10 -m xla tests
 
 clean-xla:
 	rm -rf $(XLA_VENV)
