@@ -69,9 +69,10 @@ def _torch_load(path: Path, mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)``, with numpy's arrays allowed (Accelerate's RNG files hold them)."""
     import numpy as np
 
-    allowed: list[Any] = [np.ndarray, np.dtype]
-    if hasattr(np, "core"):  # numpy 2's stubs name it np._core; np.core still runs
-        allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), np.core.multiarray._reconstruct]  # type: ignore[attr-defined]
+    # numpy 2 moved numpy.core to numpy._core (numpy.core still imports, with a DeprecationWarning at each use);
+    # both names hold the same function
+    core: Any = getattr(np, "_core", None) or np.core
+    allowed: list[Any] = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), core.multiarray._reconstruct]
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
