@@ -64,6 +64,7 @@ def _uses_parity_world(path: str) -> bool:
         return False
 
 
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: a run without xdist (-p no:xdist) does not know it
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` with the parity files as one unit (the note above); other modes are xdist's own."""
     if config.getvalue("dist") != "loadfile":
