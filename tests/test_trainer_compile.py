@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.jobs import run_job
+from support.jobs import run_writing
 from support.side_by_side import side_by_side
 
 pytestmark = pytest.mark.multiprocess
@@ -32,12 +32,14 @@ COMPILE = ["--torch_compile", "--torch_compile_backend", "aot_eager"]
 
 
 def _run(command: list[str], impl: str, out: Path, *extra: str, **env_vars: str) -> list[dict[str, Any]]:
-    """Each rank's record (facts, losses, graph count)."""
+    """Each rank's record (facts, losses, graph count). The stock job's exit is not under test
+    (``support.jobs.run_writing``: stock gloo's teardown can hang or abort a rank after its record is written)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
     env.update(TRAINER_IMPL=impl, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env_vars)
-    proc = run_job([*command, str(SCRIPT), *ARGS, *extra, "--output_dir", str(out)], timeout=270, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    records = [out / f"rank{rank}.json" for rank in (0, 1)]
+    run_writing([*command, str(SCRIPT), *ARGS, *extra, "--output_dir", str(out)], records, anchor=impl == "stock",
+                timeout=270, cwd=ROOT, env=env)
+    return [json.loads(record.read_text()) for record in records]
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from support.jobs import run_job, run_writing
 from support.side_by_side import side_by_side
 
 pytestmark = pytest.mark.multiprocess
@@ -28,11 +28,17 @@ DATA = ROOT / "examples" / "qwen_finetune" / "data" / "alpaca_synthetic.json"
 LAUNCH_2 = [sys.executable, "-m", "xshard", "launch", "--nproc", "2"]
 
 
-def _run(command: list[str], script: str, args: list[str], trainer: str = "xshard", **env_extra: str) -> None:
+def _run(command: list[str], script: str, args: list[str], trainer: str = "xshard", writes: Path | None = None,
+         **env_extra: str) -> None:
+    """Run ``script``; a stock run on several processes names the JSON file it ``writes`` last, and is held to
+    that file only (``support.jobs.run_writing``: stock gloo's teardown can hang a rank at exit)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
     env.update(SFT_TRAINER=trainer, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **env_extra)
-    proc = subprocess.run([*command, str(SCRIPTS / script), *args], capture_output=True, text=True, timeout=270,
-                          cwd=ROOT, env=env)
+    cmd = [*command, str(SCRIPTS / script), *args]
+    if writes is not None:
+        run_writing(cmd, [writes], anchor=trainer == "stock", timeout=270, cwd=ROOT, env=env)
+        return
+    proc = run_job(cmd, timeout=270, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
@@ -94,7 +100,7 @@ def test_trl_sft_with_lora_dropout_on_two_processes_gives_trls_ddp_losses(tiny_m
     lora = ["--lora_dropout", "0.05", "--max_steps", "6", "--save_steps", "3"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     _run(torchrun, "trl_sft_script.py", [*args, str(tmp_path / "stock"), *lora], trainer="stock",
-         ACCELERATE_USE_CPU="true")
+         writes=tmp_path / "stock" / "log_history.json", ACCELERATE_USE_CPU="true")
     _run(LAUNCH_2, "trl_sft_script.py", [*args, str(tmp_path / "xshard"), *lora])
     stock, ours = _trl_losses(tmp_path / "stock"), _trl_losses(tmp_path / "xshard")
     assert len(ours) == len(stock) == 6

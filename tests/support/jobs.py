@@ -19,6 +19,7 @@ thread needs to free the last collective's tensors (pytorch/pytorch#56297; seen 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -172,3 +173,31 @@ def run_anchor(cmd: list[str], *, written: Callable[[], bool], timeout: float, e
         warnings.warn(f"{' '.join(map(str, cmd[-3:]))}: an anchor wrote its output but {how}; the test reads its "
                       f"files. Its stderr's end:\n{err[-4000:]}", stacklevel=2)
     return AnchorRun(list(map(str, cmd)), proc.returncode, complete, out, err)
+
+
+def json_written(*paths: Path) -> Callable[[], bool]:
+    """A ``written`` check for ``run_anchor``: every one of ``paths`` holds a whole JSON document (a file the job
+    writes in place may be read half written)."""
+
+    def check() -> bool:
+        for path in paths:
+            try:
+                json.loads(path.read_text())
+            except (OSError, ValueError):
+                return False
+        return True
+
+    return check
+
+
+def run_writing(cmd: list[str], files: list[Path], *, anchor: bool, timeout: float,
+                env: dict[str, str] | None = None, cwd: str | Path | None = None) -> tuple[str, str]:
+    """Run a job whose results are the JSON ``files`` it writes; its stdout and stderr. xshard's job must exit 0
+    (``run_job``); an anchor's is held to its files only (``run_anchor``: its exit is not under test)."""
+    if anchor:
+        done = run_anchor(cmd, written=json_written(*files), timeout=timeout, env=env, cwd=cwd)
+        assert done.ok, done.stdout[-3000:] + done.stderr[-5000:]
+        return done.stdout, done.stderr
+    proc = run_job(cmd, timeout=timeout, env=env, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout, proc.stderr

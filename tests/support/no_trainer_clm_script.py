@@ -6,7 +6,8 @@ linear schedule, ``--checkpointing_steps`` with ``save_state("step_<n>")``, ``--
 (the example's arithmetic and ``skip_first_batches``), ``--with_tracking`` (tensorboard,
 ``init_trackers`` / ``log`` / ``end_training``) and evaluation with
 ``gather_for_metrics(loss.repeat(per_device_eval_batch_size))``. Prints one ``RESULT {json}`` line on
-the main process: each micro-step's loss averaged over the processes, and each epoch's eval loss.
+the main process (and writes it to ``<output_dir>/result.json``): each micro-step's
+loss averaged over the processes, and each epoch's eval loss.
 
 Data order fixed: both loaders are unshuffled, and both libraries give rank ``r`` the ``r``-th batch of
 every global batch (the evening repeats of the last evaluation batch included).
@@ -151,8 +152,11 @@ def main() -> None:
 
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        print("RESULT " + json.dumps({"step_losses": step_losses, "eval_losses": eval_losses,
-                                      "eval_count": len(losses)}), flush=True)
+        result = json.dumps({"step_losses": step_losses, "eval_losses": eval_losses, "eval_count": len(losses)})
+        print("RESULT " + result, flush=True)
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "result.json"), "w") as f:
+            f.write(result)
     accelerator.wait_for_everyone()
     accelerator.end_training()
 
