@@ -2,9 +2,13 @@
 with TRL's own config class unchanged.
 
 ``SFT_TRAINER=stock`` trains with TRL's class; ``SFT_TRAINER=xshard`` with ``class X(TrainerMixin, TRL's
-class)``. The main process writes the training log to ``<output_dir>/log_history.json``::
+class)``. For each kind the main process writes the training log to ``<output_dir>/<kind>/log_history.json``::
 
-    python tests/support/trl_trainers_script.py grpo|dpo|reward MODEL_DIR DATA_JSON OUTPUT_DIR [--save_steps N] [--resume]
+    python tests/support/trl_trainers_script.py KIND[,KIND...] MODEL_DIR DATA_JSON OUTPUT_DIR [--save_steps N] [--resume]
+
+KIND is grpo, dpo or reward. Several kinds train one after the other in one job (one launch instead of one
+per kind, as the suite runs them): each builds its own model, config and trainer (whose ``__init__`` seeds
+the job), so it trains as it would in a process of its own.
 
 4 steps each. GRPO: 4 prompts' groups of 4 completions (8 tokens at most), rewarded for a length near 20
 characters. DPO and reward: preference pairs, the chosen answer a record's own output, the rejected one the
@@ -65,23 +69,16 @@ KINDS: dict[str, tuple[Any, Any, Any, Any, dict[str, Any], dict[str, Any]]] = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("kind", choices=sorted(KINDS))
-    parser.add_argument("model_dir")
-    parser.add_argument("data_path")
-    parser.add_argument("output_dir")
-    parser.add_argument("--save_steps", type=int, default=0, help="0: no checkpoints")
-    parser.add_argument("--resume", action="store_true", help="resume from the newest checkpoint in OUTPUT_DIR")
-    opts = parser.parse_args()
-    stock, config_class, rows, load, settings, trainer_args = KINDS[opts.kind]
-
+def train(kind: str, opts: argparse.Namespace) -> None:
+    """Train ``kind`` for 4 steps into ``<output_dir>/<kind>`` and write its log there."""
+    stock, config_class, rows, load, settings, trainer_args = KINDS[kind]
+    output_dir = os.path.join(opts.output_dir, kind)
     with open(opts.data_path) as f:
         records = json.load(f)[:33]
     tokenizer = transformers.AutoTokenizer.from_pretrained(opts.model_dir)
     model = load(opts.model_dir, tokenizer)
     saving = {"save_strategy": "steps", "save_steps": opts.save_steps} if opts.save_steps else {"save_strategy": "no"}
-    args = config_class(output_dir=opts.output_dir, max_steps=4, learning_rate=1e-3, logging_steps=1,
+    args = config_class(output_dir=output_dir, max_steps=4, learning_rate=1e-3, logging_steps=1,
                         report_to="none", seed=5, disable_tqdm=True, bf16=False, **settings, **saving)
     cls = type(f"XShard{stock.__name__}", (TrainerMixin, stock), {}) \
         if os.environ.get("SFT_TRAINER", "xshard") == "xshard" else stock
@@ -89,8 +86,24 @@ def main() -> None:
                   processing_class=tokenizer, **trainer_args)
     trainer.train(resume_from_checkpoint=True if opts.resume else None)
     if trainer.is_world_process_zero():
-        with open(os.path.join(opts.output_dir, "log_history.json"), "w") as f:
+        with open(os.path.join(output_dir, "log_history.json"), "w") as f:
             json.dump(trainer.state.log_history, f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("kinds", help="one kind, or several separated by commas: " + ", ".join(sorted(KINDS)))
+    parser.add_argument("model_dir")
+    parser.add_argument("data_path")
+    parser.add_argument("output_dir")
+    parser.add_argument("--save_steps", type=int, default=0, help="0: no checkpoints")
+    parser.add_argument("--resume", action="store_true", help="resume from the newest checkpoint in OUTPUT_DIR/KIND")
+    opts = parser.parse_args()
+    kinds = opts.kinds.split(",")
+    if unknown := sorted(set(kinds) - set(KINDS)):
+        parser.error(f"unknown kind(s) {', '.join(unknown)}: choose from {', '.join(sorted(KINDS))}")
+    for kind in kinds:
+        train(kind, opts)
 
 
 if __name__ == "__main__":
