@@ -18,7 +18,8 @@ On 2 processes (tests/support/accelerate_patterns_script.py, the loops of Accele
 dropout, ``set_seed(42)`` after or before the Accelerator), stock Accelerate under torchrun and xshard under
 ``xshard launch`` at stages 0 and 3: every step's losses, the samples each process read, the evaluation's
 predictions and the final weights are equal; a run saved mid-epoch or after the first epoch resumes to the
-uninterrupted run's steps.
+uninterrupted run's steps. The patterns share their jobs: Accelerate's run and xshard's at each stage train every
+pattern one after the other in one launch (the script gives each its own Accelerator, seed and model).
 """
 
 from __future__ import annotations
@@ -179,7 +180,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "
 XSHARD = [sys.executable, "-m", "xshard", "launch", "--nproc", "2"]
 
 
-def _run(accelerator: str, cwd: Path, pattern: str, stage: int | None = None, *args: str) -> dict:
+def _run(accelerator: str, cwd: Path, patterns: str, stage: int | None = None, *args: str) -> dict[str, dict]:
+    """One job training ``patterns`` (comma-separated) one after the other; each pattern's results by pattern."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
     env.update(ACCELERATOR=accelerator, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     if accelerator == "accelerate":
@@ -189,11 +191,11 @@ def _run(accelerator: str, cwd: Path, pattern: str, stage: int | None = None, *a
     if accelerator == "accelerate":  # the anchor: read from the file it writes, its exit is not under test
         result = cwd / f"anchor-result-{uuid.uuid4().hex}.json"
         env["RESULT_FILE"] = str(result)
-        anchor = run_anchor([*TORCHRUN, str(SCRIPT), "--pattern", pattern, *args], written=result.exists,
-                            timeout=200, cwd=cwd, env=env)
+        anchor = run_anchor([*TORCHRUN, str(SCRIPT), "--pattern", patterns, *args], written=result.exists,
+                            timeout=240, cwd=cwd, env=env)
         assert anchor.written, anchor.stdout[-2000:] + anchor.stderr[-4000:]
         return json.loads(result.read_text())
-    proc = run_job([*XSHARD, str(SCRIPT), "--pattern", pattern, *args], timeout=200, cwd=cwd, env=env)
+    proc = run_job([*XSHARD, str(SCRIPT), "--pattern", patterns, *args], timeout=240, cwd=cwd, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, proc.stdout[-2000:]
@@ -216,16 +218,31 @@ def _same(ours: dict, reference: dict) -> None:
         assert ours["weights"][name] == pytest.approx(values, rel=1e-5, abs=1e-6), name
 
 
+#: the loops, and the stages xshard runs each at (0 and 3 where the stage changes what the loop meets)
+PATTERNS = {"default": (0, 3), "seedable": (3,), "seed_first": (3,), "next_calls": (0, 3), "early_stop": (3,),
+            "accumulate": (3,)}
+
+
+@pytest.fixture(scope="module")
+def example_loops(tmp_path_factory) -> tuple[dict[str, dict], dict[int, dict[str, dict]]]:
+    """Accelerate's run of every pattern, and xshard's at each stage (one job each, side by side)."""
+    tmp = tmp_path_factory.mktemp("example_loops")
+    stages = sorted({s for wanted in PATTERNS.values() for s in wanted})
+    at = {s: ",".join(p for p, wanted in PATTERNS.items() if s in wanted) for s in stages}
+    reference, *ours = side_by_side(lambda: _run("accelerate", tmp, ",".join(PATTERNS)),
+                                    *[lambda s=s: _run("xshard", tmp, at[s], s) for s in stages])
+    return reference, dict(zip(stages, ours, strict=True))
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("pattern,stages", [("default", (0, 3)), ("seedable", (3,)), ("seed_first", (3,)),
-                                            ("next_calls", (0, 3)), ("early_stop", (3,)), ("accumulate", (3,))])
-def test_accelerates_example_loops_give_accelerates_numbers(tmp_path, pattern, stages):
-    reference, *ours = side_by_side(lambda: _run("accelerate", tmp_path, pattern),
-                                    *[lambda s=s: _run("xshard", tmp_path, pattern, s) for s in stages])
+@pytest.mark.timeout(420)  # the module's jobs: about 60 s idle
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_accelerates_example_loops_give_accelerates_numbers(example_loops, pattern):
+    reference, ours = example_loops[0][pattern], example_loops[1]
     assert len(reference["losses"]) == (5 + 6 + 6 if pattern == "early_stop" else 18)  # 3 epochs of 6 steps
-    for stage, result in zip(stages, ours, strict=True):
+    for stage in PATTERNS[pattern]:
         try:
-            _same(result, reference)
+            _same(ours[stage][pattern], reference)
         except AssertionError as error:
             raise AssertionError(f"stage {stage}: {error}") from error
 
@@ -233,10 +250,10 @@ def test_accelerates_example_loops_give_accelerates_numbers(tmp_path, pattern, s
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("pattern", ["default", "seedable"])
 def test_an_example_loop_saved_mid_epoch_or_after_it_resumes_to_the_uninterrupted_run(tmp_path, pattern):
-    whole = _run("xshard", tmp_path, pattern, 3, "--save_at", "3", "--output_dir", "xs")
-    mid, after = side_by_side(
-        lambda: _run("xshard", tmp_path, pattern, 3, "--resume", str(tmp_path / "xs" / "mid")),
-        lambda: _run("xshard", tmp_path, pattern, 3, "--resume", str(tmp_path / "xs" / "epoch")))
+    whole = _run("xshard", tmp_path, pattern, 3, "--save_at", "3", "--output_dir", "xs")[pattern]
+    mid, after = (run[pattern] for run in side_by_side(
+        lambda: _run("xshard", tmp_path, pattern, 3, "--resume", str(tmp_path / "xs" / pattern / "mid")),
+        lambda: _run("xshard", tmp_path, pattern, 3, "--resume", str(tmp_path / "xs" / pattern / "epoch"))))
     assert mid["read"] == whole["read"][3:]
     assert _flat(mid["losses"]) == pytest.approx(_flat(whole["losses"][3:]), rel=1e-5, abs=1e-7)
     assert after["read"] == whole["read"][6:]
@@ -251,9 +268,10 @@ def test_an_accelerate_checkpoint_of_a_stateful_loader_resumes_where_accelerate_
     """``use_stateful_dataloader=True``: Accelerate's ``dl_state_dict.bin`` holds the batches the pass had yielded;
     xshard resumed from Accelerate's folder trains the steps Accelerate's own resumed run trains."""
     _run("accelerate", tmp_path, "default", None, "--stateful", "--save_at", "3", "--output_dir", "acc")
-    folder = str(tmp_path / "acc" / "mid")
-    theirs, ours = side_by_side(lambda: _run("accelerate", tmp_path, "default", None, "--stateful", "--resume", folder),
-                                lambda: _run("xshard", tmp_path, "default", 0, "--stateful", "--resume", folder))
+    folder = str(tmp_path / "acc" / "default" / "mid")
+    theirs, ours = (run["default"] for run in side_by_side(
+        lambda: _run("accelerate", tmp_path, "default", None, "--stateful", "--resume", folder),
+        lambda: _run("xshard", tmp_path, "default", 0, "--stateful", "--resume", folder)))
     assert len(theirs["losses"]) == 18 - 3
     _same(ours, theirs)
 

@@ -1,7 +1,8 @@
 """The loop patterns of Accelerate's own example programs, written for these tests; only the import differs
 (``ACCELERATOR=xshard`` or ``accelerate``).
 
-    python accelerate_patterns_script.py --pattern PATTERN [--stateful] [--save_at STEP --output_dir DIR] [--resume DIR]
+    python accelerate_patterns_script.py --pattern PATTERN[,PATTERN...] [--stateful] [--save_at STEP --output_dir DIR]
+                                         [--resume DIR]
 
 Every pattern seeds as Accelerate's examples do, ``set_seed(42)`` after building the Accelerator (``seed_first``:
 before it), shuffles its training data with a plain ``shuffle=True`` and trains a small net with dropout for 3
@@ -18,12 +19,16 @@ epochs with AdamW and a linear schedule:
 - ``accumulate``: ``gradient_accumulation.py``'s loop, ``with accelerator.accumulate(model)`` over 2 micro-steps.
 
 Each epoch ends with an evaluation through ``gather_for_metrics``. ``--save_at`` saves the state after that many
-optimizer steps and at the end of the first epoch, after its evaluation (``DIR/mid``, ``DIR/epoch``); ``--resume`` loads one and goes on
-(``skip_first_batches`` in the resumed epoch, as ``checkpointing.py`` does, except with ``--stateful``:
-``use_stateful_dataloader=True``, whose loader resumes by itself). Prints one ``RESULT {json}`` line on
-the main process: every step's losses (each process's, gathered), the sample ids each process read, the
-accumulation and loader flags (``sync_gradients``, ``end_of_dataloader``, ``remainder``), the evaluation's
-predictions, and the final weights.
+optimizer steps and at the end of the first epoch, after its evaluation (``DIR/PATTERN/mid``, ``DIR/PATTERN/epoch``);
+``--resume`` loads one and goes on (``skip_first_batches`` in the resumed epoch, as ``checkpointing.py`` does,
+except with ``--stateful``: ``use_stateful_dataloader=True``, whose loader resumes by itself). Prints one
+``RESULT {json}`` line on the main process, each pattern's results by pattern: every step's losses (each
+process's, gathered), the sample ids each process read, the accumulation and loader flags (``sync_gradients``,
+``end_of_dataloader``, ``remainder``), the evaluation's predictions, and the final weights.
+
+Several patterns run one after the other in one job (one launch instead of one per pattern, as the suite runs
+them): each builds its own Accelerator, seeds, and builds its model and loaders afresh, so it trains as it
+would in a process of its own; the job ends (``end_training``) after the last.
 """
 
 from __future__ import annotations
@@ -81,20 +86,35 @@ def data(n: int, seed: int) -> TensorDataset:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--pattern", required=True)
+    parser.add_argument("--pattern", required=True, help="one pattern, or several separated by commas")
     parser.add_argument("--save_at", type=int, default=0)
     parser.add_argument("--output_dir", default="out")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--stateful", action="store_true")
     args = parser.parse_args()
+    patterns = args.pattern.split(",")
+    if args.resume and len(patterns) > 1:
+        parser.error("--resume loads one pattern's state: give one --pattern")
+    results = {}
+    for pattern in patterns:
+        results[pattern], accelerator = run_pattern(pattern, args)
+    if accelerator.is_main_process:
+        print("RESULT " + json.dumps(results), flush=True)
+        if os.environ.get("RESULT_FILE"):  # complete or absent: what a test reads of a job whose exit it does not wait for
+            Path(os.environ["RESULT_FILE"] + ".tmp").write_text(json.dumps(results))
+            os.replace(os.environ["RESULT_FILE"] + ".tmp", os.environ["RESULT_FILE"])
+    accelerator.end_training()
 
-    if args.pattern == "seed_first":
+
+def run_pattern(pattern: str, args: argparse.Namespace) -> tuple[dict, Accelerator]:
+    """Train ``pattern``; its results (complete on the main process) and its Accelerator."""
+    if pattern == "seed_first":
         set_seed(42)
-    accumulation = 2 if args.pattern in ("next_calls", "accumulate") else 1
-    config = DataLoaderConfiguration(use_seedable_sampler=args.pattern == "seedable",
+    accumulation = 2 if pattern in ("next_calls", "accumulate") else 1
+    config = DataLoaderConfiguration(use_seedable_sampler=pattern == "seedable",
                                      use_stateful_dataloader=args.stateful)
     accelerator = Accelerator(gradient_accumulation_steps=accumulation, dataloader_config=config)
-    if args.pattern != "seed_first":
+    if pattern != "seed_first":
         set_seed(42)
     train = DataLoader(data(44, 1), batch_size=4, shuffle=True)
     evaluation = DataLoader(data(18, 2), batch_size=4)
@@ -111,7 +131,7 @@ def main() -> None:
             start_epoch, resume_step, steps = json.load(f)
 
     def save(name: str, epoch: int, step: int) -> None:
-        folder = os.path.join(args.output_dir, name)
+        folder = os.path.join(args.output_dir, pattern, name)
         accelerator.save_state(folder)
         if accelerator.is_main_process:
             with open(os.path.join(folder, "position.json"), "w") as f:
@@ -126,7 +146,7 @@ def main() -> None:
 
     for epoch in range(start_epoch, EPOCHS):
         model.train()
-        if args.pattern == "next_calls":
+        if pattern == "next_calls":
             iterator = iter(train)
             updates, left = divmod(len(train), accumulation)
             for update in range(updates + (1 if left else 0)):
@@ -145,7 +165,7 @@ def main() -> None:
             if args.resume and epoch == start_epoch and resume_step and not args.stateful:
                 loader = accelerator.skip_first_batches(train, resume_step)
             for step, (x, y, ids) in enumerate(loader, start=resume_step if loader is not train else 0):
-                with accelerator.accumulate(model) if args.pattern == "accumulate" else contextlib.nullcontext():
+                with accelerator.accumulate(model) if pattern == "accumulate" else contextlib.nullcontext():
                     loss = nn.functional.mse_loss(model(x), y)
                     accelerator.backward(loss)
                     optimizer.step()
@@ -155,7 +175,7 @@ def main() -> None:
                 steps += 1
                 if args.save_at and epoch == 0 and step + 1 == args.save_at:
                     save("mid", epoch, step + 1)
-                if args.pattern == "early_stop" and epoch == 0 and step == 4:
+                if pattern == "early_stop" and epoch == 0 and step == 4:
                     accelerator.set_trigger()
                 if accelerator.check_trigger():
                     break
@@ -172,11 +192,7 @@ def main() -> None:
     weights = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         out["weights"] = {name: value.flatten().tolist() for name, value in sorted(weights.items())}
-        print("RESULT " + json.dumps(out), flush=True)
-        if os.environ.get("RESULT_FILE"):  # complete or absent: what a test reads of a job whose exit it does not wait for
-            Path(os.environ["RESULT_FILE"] + ".tmp").write_text(json.dumps(out))
-            os.replace(os.environ["RESULT_FILE"] + ".tmp", os.environ["RESULT_FILE"])
-    accelerator.end_training()
+    return out, accelerator
 
 
 if __name__ == "__main__":
