@@ -1,52 +1,34 @@
-"""The users' scripts on real torch_xla (XLA:CPU), through their own entry points.
+"""The users' scripts on one real torch_xla (XLA:CPU) device, through their own entry points.
 
 - examples/minimal.py (optimizer built before ``prepare``, as it may be), started by ``xshard launch``
   as docs/backends.md says: on one XLA device it learns exactly as on the CPU backend (the Parameters
-  replaced on the device are rebound in the optimizer); on two XLA:CPU devices it learns as two CPU
-  processes do. Not to the last digit there: XLA:CPU's replicas are threads of one process, whose
-  models draw their random initial weights from one shared generator, so rank 0's weights (which
-  ``prepare`` broadcasts, as DDP does) are not always those of a fresh ``torch.manual_seed(0)``: the
-  loss falls alike, within a factor the test states.
+  replaced on the device are rebound in the optimizer).
 - examples/qwen_finetune/finetune_loop.py, whose collator pads each batch to its own longest sequence:
   the Accelerator pads token batches to a multiple of 64 on XLA (``static_shape_multiple``), so the
   number of compilations stops growing after warm-up; with padding off it grows with every new width.
+- the Trainer with the Trainer docs' XLA FSDP arguments.
+
+One device, no collective: a neighbour's load cannot abort a job, so a test may run its jobs side by side.
+The two-device scripts are in test_xla_users_scripts_two_devices.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from support.side_by_side import side_by_side
+from support.xla_scripts import XLA_ENV, epoch_losses, run_script
 
 pytestmark = pytest.mark.xla
-
-ROOT = Path(__file__).resolve().parent.parent
-XLA_ENV = {"XSHARD_BACKEND": "xla", "PJRT_DEVICE": "CPU"}
-
-
-def _run(cmd: list[str], env: dict[str, str], timeout: int = 270) -> str:
-    """``cmd`` from the repository root, once; it must succeed."""
-    from support.xla_replicas import run_command
-
-    proc = run_command(cmd, {**os.environ, **env}, timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
-def _losses(output: str) -> list[float]:
-    return [float(m) for m in re.findall(r"epoch \d+: loss ([0-9.]+)", output)]
 
 
 def _launch(nproc: int, env: dict[str, str]) -> list[float]:
     cmd = [sys.executable, "-m", "xshard", "launch", "--nproc", str(nproc), "examples/minimal.py",
            "--epochs", "3", "--samples", "256"]
-    return _losses(_run(cmd, env))
+    return epoch_losses(run_script(cmd, env))
 
 
 def test_minimal_example_learns_the_same_on_one_xla_device_as_on_cpu() -> None:
@@ -58,40 +40,12 @@ def test_minimal_example_learns_the_same_on_one_xla_device_as_on_cpu() -> None:
         assert abs(a - b) <= 1e-3, (on_xla, on_cpu)
 
 
-def _env_the_launcher_decides() -> dict[str, str]:
-    """This process's environment without the variables `xshard launch` sets for its replicas unless exported
-    (``cpu_replicas_env``, ``Backend.default_env``), so the launcher's own choices are what runs."""
-    return {k: v for k, v in os.environ.items()
-            if k not in ("CPU_NUM_DEVICES", "XLA_THREAD_POOL_SIZE", "PJRT_CPU_ASYNC_CLIENT", "USE_TORCH_XLA")}
-
-
-def test_the_readmes_two_device_command_learns_as_two_cpu_processes_do() -> None:
-    """`XSHARD_BACKEND=xla PJRT_DEVICE=CPU xshard launch --nproc 2 examples/minimal.py`, as docs/backends.md
-    gives it (2048 samples, 4 epochs: 256 steps a replica), once, with no retry; then the same command on
-    two CPU processes, whose losses it must follow."""
-    pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla")
-    env = _env_the_launcher_decides()
-    cmd = [sys.executable, "-m", "xshard", "launch", "--nproc", "2", "examples/minimal.py"]
-    proc = subprocess.run(cmd, env={**env, **XLA_ENV}, cwd=ROOT, capture_output=True, text=True, timeout=270)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "Termination timeout" not in proc.stderr, proc.stderr[-4000:]
-    two_xla = _losses(proc.stdout)
-    two_cpu = _losses(_run(cmd, {"XSHARD_BACKEND": "cpu"}))
-    for losses in (two_xla, two_cpu):
-        assert len(losses) == 4 and losses[-1] < 0.5 * losses[0], (two_xla, two_cpu)
-    # Rank 0's initial weights depend on how the replica threads interleave their draws from the shared
-    # generator (module docstring), so the loss is not the CPU processes' to the last digit: measured at
-    # this size, 0.0185 and 0.0204 against the CPU processes' 0.0207 (at 256 samples, 10 runs: 0.043-0.082
-    # against 0.0572).
-    assert 0.5 * two_cpu[-1] <= two_xla[-1] <= 2 * two_cpu[-1], (two_xla, two_cpu)
-
-
 def _compiles(tmp_path: Path, steps: int, multiple: int) -> list[int]:
     pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla")
-    out = _run([sys.executable, "tests/support/xla_compiles_run.py", "--output_dir", str(tmp_path / str(multiple)),
-                "--max_steps", str(steps), "--per_device_train_batch_size", "2", "--model_max_length", "128",
-                "--learning_rate", "1e-3", "--logging_steps", "4", "--save_strategy", "no"],
-               {**XLA_ENV, "XSHARD_STATIC_SHAPE_MULTIPLE": str(multiple)})
+    out = run_script([sys.executable, "tests/support/xla_compiles_run.py", "--output_dir",
+                      str(tmp_path / str(multiple)), "--max_steps", str(steps), "--per_device_train_batch_size", "2",
+                      "--model_max_length", "128", "--learning_rate", "1e-3", "--logging_steps", "4",
+                      "--save_strategy", "no"], {**XLA_ENV, "XSHARD_STATIC_SHAPE_MULTIPLE": str(multiple)})
     return json.loads(out.strip().splitlines()[-1])["compiles"]
 
 
@@ -126,20 +80,20 @@ def _rebind_run(pass_optimizer: bool) -> str:
 
 def test_an_optimizer_built_before_prepare_trains_the_device_parameters_or_is_refused() -> None:
     pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla")
-    assert "CHANGED" in _run([sys.executable, "-c", _rebind_run(True)], XLA_ENV)
-    refused = _run([sys.executable, "-c", _rebind_run(False)], XLA_ENV)
+    assert "CHANGED" in run_script([sys.executable, "-c", _rebind_run(True)], XLA_ENV)
+    refused = run_script([sys.executable, "-c", _rebind_run(False)], XLA_ENV)
     assert "REFUSED" in refused and "accelerator.prepare(model, optimizer)" in refused
 
 
 def _trainer_losses(model: Path, out: Path, backend_args: list[str], env: dict[str, str]) -> list[float]:
     """tests/support/trainer_sft_script.py (an ordinary Trainer SFT script on xshard's Trainer) under `xshard launch`,
     one process; the per-step losses its trainer_state.json records."""
-    _run([sys.executable, "-m", "xshard", "launch", "tests/support/trainer_sft_script.py", "--model_name_or_path", str(model),
-          "--data_path", "examples/qwen_finetune/data/alpaca_synthetic.json", "--max_records", "32",
-          "--model_max_length", "96", "--output_dir", str(out), "--max_steps", "6",
-          "--per_device_train_batch_size", "2", "--logging_steps", "1", "--save_steps", "6", "--report_to", "none",
-          # the Trainer's default on torch >= 2.8 is the fused AdamW, which has no XLA kernel (stock or xshard)
-          "--optim", "adamw_torch", *backend_args], env)
+    run_script([sys.executable, "-m", "xshard", "launch", "tests/support/trainer_sft_script.py",
+                "--model_name_or_path", str(model), "--data_path", "examples/qwen_finetune/data/alpaca_synthetic.json",
+                "--max_records", "32", "--model_max_length", "96", "--output_dir", str(out), "--max_steps", "6",
+                "--per_device_train_batch_size", "2", "--logging_steps", "1", "--save_steps", "6", "--report_to", "none",
+                # the Trainer's default on torch >= 2.8 is the fused AdamW, which has no XLA kernel (stock or xshard)
+                "--optim", "adamw_torch", *backend_args], env)
     history = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())["log_history"]
     return [entry["loss"] for entry in history if "loss" in entry]
 
@@ -161,35 +115,3 @@ def test_the_trainer_with_an_xla_fsdp_config_trains_as_on_the_cpu(tmp_path: Path
     assert (tmp_path / "xla" / "model.safetensors").is_file()  # save_model at the end of the script
 
 
-def _qwen_trainer_losses(out: Path, nproc_env: dict[str, str]) -> list[float]:
-    """examples/qwen_finetune/finetune.py on 2 devices under `xshard launch`, with the tiny-model arguments of
-    its README (20 steps); the losses it logs every 10 steps, after it saved the model at the end."""
-    cmd = [sys.executable, "-m", "xshard", "launch", "--nproc", "2", "finetune.py", "--deepspeed",
-           "ds_config_zero3.json", "--output_dir", str(out), "--max_steps", "20", "--per_device_train_batch_size", "4",
-           "--model_max_length", "256", "--learning_rate", "3e-3", "--warmup_ratio", "0.03", "--lr_scheduler_type",
-           "cosine", "--seed", "1234", "--logging_steps", "10", "--save_strategy", "no"]
-    env = _env_the_launcher_decides()
-    proc = subprocess.run(cmd, env={**env, **nproc_env}, cwd=ROOT / "examples" / "qwen_finetune", capture_output=True,
-                          text=True, timeout=270)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert (out / "model.safetensors").is_file() and (out / "training_args.bin").is_file()
-    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
-    return [entry["loss"] for entry in history if "loss" in entry]
-
-
-def test_the_qwen_trainer_script_trains_logs_and_saves_on_two_xla_devices(tmp_path: Path) -> None:
-    """The Qwen example's Trainer script on 2 XLA:CPU devices, as written: the Trainer gathers its logged loss
-    with ``xm.mesh_reduce`` (torch_xla's collectives without channel ids, which XLA:CPU's replica threads never
-    matched: the job aborted at the first logging step), and ``save_model`` pickles the script's own
-    TrainingArguments subclass (which failed once the other replica thread had returned). Its losses follow
-    the same command on 2 CPU processes."""
-    pytest.importorskip("torch_xla", reason="needs torch_xla: make test-xla")
-    on_xla = _qwen_trainer_losses(tmp_path / "xla", XLA_ENV)
-    # (transformers takes its TPU paths wherever torch_xla is installed, as here, and on CPU processes its
-    # logged loss was rank 0's alone: 5.44, 9.02, 9.34, 1.02 ... step by step; the launcher turns them off)
-    on_cpu = _qwen_trainer_losses(tmp_path / "cpu", {"XSHARD_BACKEND": "cpu"})
-    assert len(on_xla) == len(on_cpu) == 2 and on_xla[1] < on_xla[0], (on_xla, on_cpu)
-    # rank 0's initial weights depend on how the replica threads share the random generator (module
-    # docstring); measured: 5.59 and 4.49 on XLA, 5.67 and 4.59 on the CPU processes
-    for a, b in zip(on_xla, on_cpu, strict=True):
-        assert abs(a - b) <= 0.05 * b, (on_xla, on_cpu)
