@@ -379,10 +379,8 @@ class Accelerator(AccelerateSurface, CheckpointMethods, GatherMethods):
         """
         if any(model is m for m in self.job.models):
             return model
-        from .sharding import (  # imports torch._dynamo: at the first model, not at import
-            ShardedModel,
-            shard_model,
-        )
+        # imports torch._dynamo: at the first model, not at import
+        from .sharding import ShardedModel, shard_model
 
         if not self.backend.runs_hub_kernels:
             turn_off_hub_kernels(model, self.backend.device_type)
