@@ -17,6 +17,7 @@ from xshard.backends import (
     World,
     apply_visible_devices,
     backend_class,
+    communication,
     select,
 )
 
@@ -60,6 +61,9 @@ def test_process_group_binds_the_device_first_then_starts_nccl(clean_env) -> Non
     clean_env.setattr(torch.cuda, "set_device", lambda i: order.append(("set_device", i)))
     clean_env.setattr(dist, "is_initialized", lambda: False)
     clean_env.setattr(dist, "init_process_group", lambda **kw: order.append(("init", kw)))
+    # this process's first group (torch's own env:// rendezvous), whatever groups earlier tests of this worker
+    # started: a later group would rendezvous in a store at MASTER_PORT, where no job listens here
+    clean_env.setattr(communication._Generation, "started", 0)
     backend = CUDA(World(rank=3, world_size=4, local_rank=3, local_world_size=4))
     backend.init_process_group(timeout=90)
     assert order == [
