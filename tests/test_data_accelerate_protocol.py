@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.jobs import run_anchor, run_job
+from support.jobs import run_writing
 from support.side_by_side import side_by_side
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -184,21 +184,19 @@ def _run(accelerator: str, cwd: Path, patterns: str, stage: int | None = None, *
     """One job training ``patterns`` (comma-separated) one after the other; each pattern's results by pattern."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XSHARD_", "ACCELERATE_"))}
     env.update(ACCELERATOR=accelerator, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    if accelerator == "accelerate":
-        env["ACCELERATE_USE_CPU"] = "true"
+    anchor = accelerator == "accelerate"
+    result = cwd / f"anchor-result-{uuid.uuid4().hex}.json"
+    if anchor:  # the anchor: read from the file it writes, its exit is not under test
+        env.update(ACCELERATE_USE_CPU="true", RESULT_FILE=str(result))
     else:
         env["XSHARD_STAGE"] = str(stage)
-    if accelerator == "accelerate":  # the anchor: read from the file it writes, its exit is not under test
-        result = cwd / f"anchor-result-{uuid.uuid4().hex}.json"
-        env["RESULT_FILE"] = str(result)
-        anchor = run_anchor([*TORCHRUN, str(SCRIPT), "--pattern", patterns, *args], written=result.exists,
-                            timeout=240, cwd=cwd, env=env)
-        assert anchor.written, anchor.stdout[-2000:] + anchor.stderr[-4000:]
+    launcher = TORCHRUN if anchor else XSHARD
+    out, _ = run_writing([*launcher, str(SCRIPT), "--pattern", patterns, *args], [result] if anchor else [],
+                         anchor=anchor, timeout=240, cwd=cwd, env=env)
+    if anchor:
         return json.loads(result.read_text())
-    proc = run_job([*XSHARD, str(SCRIPT), "--pattern", patterns, *args], timeout=240, cwd=cwd, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == 1, proc.stdout[-2000:]
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, out[-2000:]
     return json.loads(lines[0][len("RESULT "):])
 
 
